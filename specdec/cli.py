@@ -1,0 +1,96 @@
+"""`specdec` command line: subcommands are registered by name, each with its own parser and handler."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec import registry
+
+DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
+
+
+def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    """Model and sampling flags shared by the commands that generate (generate, serve, bench)."""
+    parser.add_argument("--target", default=registry.DEFAULT_TARGET,
+                        help="registry name, transformers directory or .gguf file (default: %(default)s)")
+    parser.add_argument("--draft", default=registry.DEFAULT_DRAFT,
+                        help="draft model (like --target), a drafter name, or 'none' for target-only decoding "
+                             "(default: %(default)s)")
+    parser.add_argument("--k", type=int, default=4, help="draft tokens per cycle (default: %(default)s)")
+
+
+def add_generate_parser(subparsers) -> None:
+    parser = subparsers.add_parser("generate", help="generate text with speculative decoding")
+    add_generation_args(parser)
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: a short coding task)")
+    parser.add_argument("--chat", action="store_true", help="apply the target's chat template to the prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
+    parser.add_argument("--compare", action="store_true",
+                        help="also run target-only decoding on the same prompt and report the measured speed-up")
+    parser.set_defaults(func=run_generate)
+
+
+def run_generate(args) -> int:
+    from specdec.generator import SpeculativeGenerator
+
+    draft = None if args.draft == "none" else args.draft
+    gen = SpeculativeGenerator(args.target, draft, k=args.k)
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
+    out = gen.generate(args.prompt, **settings)
+    baseline = None
+    if args.compare:
+        baseline = SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer).generate(args.prompt, **settings)
+    if args.json:
+        record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+                  "stats": out.stats.to_dict()}
+        if baseline is not None:
+            record["baseline"] = {"tokens_per_s": baseline.stats.tokens_per_s,
+                                  "identical": baseline.token_ids == out.token_ids,
+                                  "speedup": out.stats.tokens_per_s / baseline.stats.tokens_per_s}
+        print(json.dumps(record))
+        return 0
+    from specdec.display import print_marked, summary_line
+
+    print_marked(gen.tokenizer, out.token_ids, out.from_draft)
+    print(summary_line(out.stats, draft is not None))
+    if baseline is not None:
+        same = "identical output" if baseline.token_ids == out.token_ids else "different samples"
+        print(f"target-only: {baseline.stats.tokens_per_s:.2f} tokens/s -> speed-up "
+              f"{out.stats.tokens_per_s / baseline.stats.tokens_per_s:.2f}x ({same})")
+    return 0
+
+
+# name -> function that adds the subcommand's parser (and sets its handler as `func`)
+COMMANDS = {
+    "generate": add_generate_parser,
+    "models": registry.add_models_parser,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding of language models.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add_parser in COMMANDS.values():
+        add_parser(subparsers)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, registry.ModelNotAvailable) as error:
+        print(f"specdec: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specdec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Drafters, selected by name (`--draft NAME[:ARG]`) from a registry, or built from a draft model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from specdec.drafters.base import Drafter, NoDrafter, Proposal
+from specdec.drafters.model import ModelDrafter
+from specdec.models import load_causal_lm, shared_vocab_size
+from specdec.runners import TorchRunner, check_rollback_supported
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """What a drafter may build on: the loaded target (shared, never copied) and its vocabulary."""
+    model: object
+    tokenizer: object
+    vocab_size: int
+    dtype: torch.dtype
+
+
+# name -> factory(target, argument after the colon or None) -> (drafter, draft model or None)
+DRAFTERS: dict[str, Callable[[TargetInfo, str | None], tuple[Drafter, object]]] = {}
+
+
+def register(name: str):
+    def add(factory):
+        DRAFTERS[name] = factory
+        return factory
+    return add
+
+
+@register("none")
+def _no_drafter(target: TargetInfo, arg: str | None):
+    return NoDrafter(), None
+
+
+def model_drafter(draft_model, target: TargetInfo, draft_tokenizer=None) -> ModelDrafter:
+    """A draft model behind the drafter protocol, checked against the target's vocabulary and rollback support."""
+    check_rollback_supported(draft_model)
+    vocab_size = shared_vocab_size(target.model, target.tokenizer, draft_model, draft_tokenizer)
+    return ModelDrafter(lambda: TorchRunner(draft_model, vocab_size))
+
+
+def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Drafter, object]:
+    """None | Drafter | registered name | draft model, path or registry model name -> (drafter, draft model or None)."""
+    if spec is None:
+        return NoDrafter(), None
+    if isinstance(spec, Drafter):
+        return spec, getattr(spec, "model", None)
+    if isinstance(spec, str):
+        name, _, arg = spec.partition(":")
+        if name in DRAFTERS:
+            return DRAFTERS[name](target, arg or None)
+    draft_model, draft_tokenizer = load_causal_lm(spec, draft_tokenizer, target.dtype)
+    return model_drafter(draft_model, target, draft_tokenizer), draft_model
+
+
+__all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "NoDrafter", "Proposal", "TargetInfo", "build_drafter",
+           "model_drafter", "register"]

@@ -1,0 +1,46 @@
+"""The drafter protocol: every way of guessing ahead implements these three calls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.sampling import SamplingConfig
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [batch, n] draft tokens, n <= k (n = 0: the cycle is one plain target step)
+    probs: torch.Tensor | None = None  # q [batch, n, vocab]; None for deterministic drafters (one-hot q)
+    forward_calls: int = 0  # model forward passes spent on this proposal
+
+    @staticmethod
+    def empty(batch: int = 1) -> "Proposal":
+        return Proposal(torch.zeros(batch, 0, dtype=torch.long))
+
+
+class Drafter:
+    """Base drafter; subclasses override `propose` and, if they keep state, `begin` and `accept`."""
+
+    name = "drafter"
+
+    def begin(self, prompt_ids: torch.Tensor) -> None:
+        """A new generation starts from prompt_ids [batch, n]."""
+
+    def propose(self, context: torch.Tensor, k: int, sampling: SamplingConfig,
+                generator: torch.Generator) -> Proposal:
+        """Guess up to k tokens that follow context [batch, n] (every committed token so far)."""
+        raise NotImplementedError
+
+    def accept(self, n_drafted: int, n_accepted: int) -> None:
+        """The target accepted the first n_accepted of the n_drafted tokens of the last proposal."""
+
+
+class NoDrafter(Drafter):
+    """Proposes nothing: every cycle is one plain target step. This is the target-only baseline."""
+
+    name = "none"
+
+    def propose(self, context, k, sampling, generator) -> Proposal:
+        return Proposal.empty(context.shape[0])

@@ -1,0 +1,57 @@
+"""A draft model: a smaller language model that samples k tokens ahead, one forward pass each."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specdec.drafters.base import Drafter, Proposal
+from specdec.runners import Runner
+from specdec.sampling import SamplingConfig, logits_to_probs, sample
+
+
+def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the longest common prefix of two token rows a [1, n] and b [1, m]."""
+    n = min(a.shape[1], b.shape[1])
+    differs = (a[0, :n] != b[0, :n]).nonzero()
+    return int(differs[0, 0]) if len(differs) else n
+
+
+class ModelDrafter(Drafter):
+    """Drafts with any runner (a small model, or an early-exit view of the target) and keeps its cache in step."""
+
+    name = "model"
+
+    def __init__(self, make_runner: Callable[[], Runner]):
+        self.make_runner = make_runner
+        self.runner: Runner | None = None
+        self.cached_ids = torch.zeros(1, 0, dtype=torch.long)  # the tokens whose keys/values the runner holds
+
+    def begin(self, prompt_ids: torch.Tensor) -> None:
+        self.runner = self.make_runner()
+        self.cached_ids = prompt_ids[:, :0]
+
+    def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
+        if k == 0:
+            return Proposal.empty(context.shape[0])
+        # Roll back to what the cache shares with the context (the rejected tail goes), then feed the rest.
+        keep = common_prefix_length(self.cached_ids, context)
+        self.runner.rollback(keep)
+        pending = context[:, keep:]
+        tokens, probs = [], []
+        for _ in range(k):
+            logits = self.runner.forward(pending, last_only=True)[:, -1]  # [batch, vocab]
+            if sampling.greedy:
+                token, q = logits.argmax(dim=-1), None
+            else:
+                q = logits_to_probs(logits, sampling)
+                token = sample(q, generator)
+            tokens.append(token)
+            probs.append(q)
+            pending = token[:, None]
+        draft = torch.stack(tokens, dim=1)  # [batch, k]
+        # The last draft token was never fed: the cache holds the context and the first k-1 draft tokens.
+        self.cached_ids = torch.cat([context, draft[:, :-1]], dim=1)
+        draft_probs = None if sampling.greedy else torch.stack(probs, dim=1)  # [batch, k, vocab]
+        return Proposal(draft, draft_probs, forward_calls=k)

@@ -1,0 +1,176 @@
+"""The user-facing API: `SpeculativeGenerator(target, draft, k).generate(...)` and `.stream(...)`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from specdec.drafters import TargetInfo, build_drafter
+from specdec.engine import speculative_decode
+from specdec.metrics import SpecStats
+from specdec.models import load_causal_lm, own_vocab_size
+from specdec.runners import TorchRunner, check_rollback_supported
+from specdec.sampling import SamplingConfig, make_generator
+
+
+@dataclass
+class Chunk:
+    """What one cycle adds to the output, as soon as it is committed."""
+    text: str  # new text since the previous chunk (held back while it may be the start of a stop string)
+    token_ids: list[int]  # tokens committed by this cycle
+    n_from_draft: int  # the first n_from_draft token_ids were authored by the drafter and accepted by the target
+    finish_reason: str | None = None  # "stop" or "length" on the last chunk
+    stats: SpecStats | None = None  # set on the last chunk
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # new tokens only (no prompt, no end-of-sequence token)
+    text: str  # decoded new tokens, cut before any stop string ("" without a tokenizer)
+    stats: SpecStats
+    finish_reason: str
+    from_draft: list[bool] = field(default_factory=list)  # per token: authored by the drafter
+
+
+class SpeculativeGenerator:
+    """Generates with a target model while a drafter guesses ahead; output is distributed exactly as the target's.
+
+    target: a transformers causal LM, a local directory, a .gguf file or a registry name (`specdec models list`).
+    draft: None (target-only decoding, the baseline), a drafter name ("ngram", "self:N", ...), a Drafter, or a draft
+    model given like the target. Loaded models are shared, never copied: pass `gen.target` to another generator.
+    """
+
+    def __init__(self, target, draft=None, k: int = 4, *, tokenizer=None, draft_tokenizer=None,
+                 dtype: torch.dtype = torch.float32):
+        if k < 1:
+            raise ValueError(f"k (draft tokens per cycle) must be >= 1, got {k}")
+        self.k = k
+        self.target, self.tokenizer = load_causal_lm(target, tokenizer, dtype)
+        check_rollback_supported(self.target)
+        self.vocab_size = own_vocab_size(self.target, self.tokenizer)
+        info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype)
+        self.drafter, self.draft = build_drafter(draft, info, draft_tokenizer)
+        self.eos_ids = _eos_ids(self.target, self.tokenizer)
+
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> torch.Tensor:
+        """A prompt (text, or token ids) -> ids [1, n]. chat=True applies the target's chat template to text."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this target has no tokenizer: pass the prompt as token ids")
+            if chat:
+                text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                          add_generation_prompt=True)
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:
+                ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            ids = prompt.flatten().tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token of text")
+        if any(not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        return torch.tensor([ids], dtype=torch.long)
+
+    def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
+               chat: bool = False, k: int | None = None) -> Iterator[Chunk]:
+        """Yield chunks of new text as soon as each cycle commits them; the last chunk carries the stats."""
+        sampling = SamplingConfig(temperature, top_k, top_p)
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        k = self.k if k is None else k
+        if k < 1:
+            raise ValueError(f"k (draft tokens per cycle) must be >= 1, got {k}")
+        prompt_ids = self.encode(prompt, chat)
+        runner = TorchRunner(self.target, self.vocab_size)
+        if prompt_ids.shape[1] >= runner.max_length:
+            raise ValueError(f"the prompt has {prompt_ids.shape[1]} tokens; the target's context holds "
+                             f"{runner.max_length}: shorten the prompt")
+        stats = SpecStats()
+        text = _Detokenizer(self.tokenizer, stop)
+        steps = speculative_decode(runner, self.drafter, prompt_ids, k=k, max_new_tokens=max_new_tokens,
+                                   sampling=sampling, generator=make_generator(seed), eos_ids=self.eos_ids,
+                                   stats=stats)
+        for step in steps:
+            delta, kept = text.add(step.tokens)
+            tokens, n_from_draft = step.tokens[:kept], min(step.n_from_draft, kept)
+            if kept < len(step.tokens) or step.finish_reason:
+                stats.new_tokens -= len(step.tokens) - kept
+                finish_reason = "stop" if kept < len(step.tokens) else step.finish_reason
+                yield Chunk(delta + text.flush(), tokens, n_from_draft, finish_reason, stats)
+                return
+            yield Chunk(delta, tokens, n_from_draft)
+        yield Chunk(text.flush(), [], 0, "length", stats)
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
+                 chat: bool = False, k: int | None = None) -> GenerationResult:
+        """Generate up to max_new_tokens after the prompt (text or token ids). temperature 0 is greedy."""
+        token_ids, from_draft, texts = [], [], []
+        for chunk in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k):
+            token_ids += chunk.token_ids
+            from_draft += [i < chunk.n_from_draft for i in range(len(chunk.token_ids))]
+            texts.append(chunk.text)
+        return GenerationResult(token_ids, "".join(texts), chunk.stats, chunk.finish_reason, from_draft)
+
+
+class _Detokenizer:
+    """Incremental decoding that never emits half a character or a prefix of a stop string."""
+
+    def __init__(self, tokenizer, stop: Sequence[str]):
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the decoded text already emitted
+
+    def add(self, tokens: list[int]) -> tuple[str, int]:
+        """-> (text safe to emit now, how many of tokens to keep: fewer than all when a stop string was reached)."""
+        if self.tokenizer is None:
+            return "", len(tokens)
+        if self.stop and self._stop_at(tokens) is not None:
+            # Keep the fewest tokens that complete the stop string; nothing from it onwards is sent.
+            kept = next(n for n in range(1, len(tokens) + 1) if self._stop_at(tokens[:n]) is not None)
+            end = self._stop_at(tokens[:kept])
+            self.ids += tokens[:kept]
+            delta, self.sent = self._decode()[self.sent:end], len(self._decode())
+            return delta, kept
+        self.ids += tokens
+        text = self._decode()
+        safe = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character waits for its remaining tokens
+        for s in self.stop:  # hold back a tail that may grow into a stop string
+            for n in range(min(len(s) - 1, safe - self.sent), 0, -1):
+                if text[safe - n:safe] == s[:n]:
+                    safe -= n
+                    break
+        delta, self.sent = text[self.sent:safe], max(self.sent, safe)
+        return delta, len(tokens)
+
+    def _decode(self, extra: list[int] = ()) -> str:
+        return self.tokenizer.decode(self.ids + list(extra), skip_special_tokens=True)
+
+    def _stop_at(self, extra: list[int]) -> int | None:
+        """Where the first stop string starts in the text with `extra` tokens appended, or None."""
+        text = self._decode(extra)
+        hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def flush(self) -> str:
+        """The text held back so far (at the end of generation)."""
+        if self.tokenizer is None:
+            return ""
+        text = self._decode()
+        delta, self.sent = text[self.sent:], max(self.sent, len(text))
+        return delta
+
+
+def _eos_ids(model, tokenizer) -> frozenset[int]:
+    """Every id that ends a sequence: the generation config's (often several for chat models) and the tokenizer's."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None)
+        ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

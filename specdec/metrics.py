@@ -1,0 +1,77 @@
+"""Speculation statistics of one generation. Derived figures are defined here and nowhere else."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    target_calls: int = 0  # target forward passes, prefill included
+    draft_calls: int = 0  # drafter model forward passes (0 for model-free drafters)
+    cycles: int = 0  # verify passes: draft -> one target call -> accept/reject
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    new_tokens: int = 0  # tokens returned to the user (after EOS / max_new_tokens / stop truncation)
+    emitted_per_cycle: Counter = field(default_factory=Counter)  # histogram: tokens emitted by a cycle -> count
+    drafted_by_position: list[int] = field(default_factory=list)  # [i]: cycles that drafted a token at position i
+    accepted_by_position: list[int] = field(default_factory=list)  # [i]: cycles whose draft token i was accepted
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    def observe(self, n_drafted: int, n_accepted: int) -> None:
+        """Record one verify cycle that drafted n_drafted tokens and accepted the first n_accepted of them."""
+        self.cycles += 1
+        self.drafted_tokens += n_drafted
+        self.accepted_tokens += n_accepted
+        self.emitted_per_cycle[n_accepted + 1] += 1
+        missing = n_drafted - len(self.drafted_by_position)
+        if missing > 0:
+            self.drafted_by_position += [0] * missing
+            self.accepted_by_position += [0] * missing
+        for i in range(n_drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += i < n_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens / drafted tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verify cycle: accepted draft tokens plus the recovered or bonus token (so >= 1)."""
+        return (self.accepted_tokens + self.cycles) / self.cycles if self.cycles else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    def to_dict(self) -> dict:
+        return {
+            "target_calls": self.target_calls,
+            "draft_calls": self.draft_calls,
+            "cycles": self.cycles,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "new_tokens": self.new_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+            "tokens_per_s": self.tokens_per_s,
+            "emitted_per_cycle": {str(n): c for n, c in sorted(self.emitted_per_cycle.items())},
+            "acceptance_by_position": self.acceptance_by_position,
+            "time_s": {
+                "prefill": self.prefill_s,
+                "draft": self.draft_s,
+                "verify": self.verify_s,
+                "other": max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s),
+                "total": self.total_s,
+            },
+        }

@@ -1,0 +1,74 @@
+"""Loading causal LMs (already-loaded model, local directory, .gguf file or registry name) and vocabulary checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+
+class IncompatibleVocabulary(ValueError):
+    """Target and drafter do not share a vocabulary, so q and p would not be over the same tokens."""
+
+
+def resolve_model_dir(spec: str | Path) -> Path:
+    """A registry name, a .gguf file or a transformers directory -> a local transformers directory."""
+    from specdec import registry  # imported here: loading an in-memory model needs no registry
+
+    text = str(spec)
+    if text in registry.MODELS:
+        return registry.local_model_dir(text)
+    path = Path(text).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return registry.cached_dir_for_gguf(path)
+    if path.is_dir():
+        return path
+    raise ValueError(f"unknown model {text!r}: give a registry name ({', '.join(registry.MODELS)}), "
+                     "a local transformers model directory, or a .gguf file (see `specdec models list`)")
+
+
+def load_causal_lm(spec, tokenizer=None, dtype: torch.dtype = torch.float32):
+    """-> (model, tokenizer or None). An already-loaded model is returned as is: shared, never copied."""
+    if isinstance(spec, PreTrainedModel):
+        return spec, tokenizer
+    directory = resolve_model_dir(spec)
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    model.eval()
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return model, tokenizer
+
+
+def model_vocab_size(model) -> int:
+    return model.get_output_embeddings().weight.shape[0]
+
+
+def shared_vocab_size(target, target_tokenizer, draft, draft_tokenizer) -> int:
+    """The number of token ids that target and drafter both mean the same thing by.
+
+    Output layers padded beyond the tokenizer (common in the Qwen family) are fine: only the tokenizer's range is used.
+    """
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+        if target_vocab != draft_vocab:
+            by_id_t = {i: t for t, i in target_vocab.items()}
+            by_id_d = {i: t for t, i in draft_vocab.items()}
+            first = next(i for i in range(max(len(by_id_t), len(by_id_d)) + 1) if by_id_t.get(i) != by_id_d.get(i))
+            raise IncompatibleVocabulary(
+                f"target and draft tokenizers differ (target {len(target_vocab)} tokens, draft {len(draft_vocab)}); "
+                f"first difference at id {first}: target {by_id_t.get(first)!r} vs draft {by_id_d.get(first)!r}. "
+                "Use a draft model of the same family as the target.")
+    elif model_vocab_size(target) != model_vocab_size(draft):
+        raise IncompatibleVocabulary(
+            f"target vocabulary has {model_vocab_size(target)} tokens, draft has {model_vocab_size(draft)}; "
+            "without tokenizers to compare, the output layers must be the same size")
+    return min(own_vocab_size(target, target_tokenizer), own_vocab_size(draft, draft_tokenizer))
+
+
+def own_vocab_size(model, tokenizer) -> int:
+    """The usable vocabulary of one model: its tokenizer's range (capped by its output layer), or its output layer."""
+    rows = model_vocab_size(model)
+    return min(len(tokenizer), rows) if tokenizer is not None else rows

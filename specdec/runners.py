@@ -1,0 +1,75 @@
+"""Runners: one sequence's view of a model — forward over new tokens with a KV cache, and roll back.
+
+The engine and the drafters talk to models only through this interface, so another runtime (llama.cpp, an early-exit
+view of the target) plugs in without touching the decoding loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+
+class Runner(Protocol):
+    vocab_size: int  # logits are cut to this many tokens (the vocabulary shared by target and drafter)
+    max_length: int  # the model's context length
+
+    @property
+    def length(self) -> int:
+        """Number of tokens held in the cache."""
+
+    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Append input_ids [batch, n] to the cache -> logits [batch, n or 1, vocab_size] (float32)."""
+
+    def rollback(self, length: int) -> None:
+        """Drop cache entries past `length` tokens."""
+
+
+class RollbackUnsupported(ValueError):
+    """The model's cache cannot be trimmed, so rejected draft tokens could not be undone."""
+
+
+def context_length(config) -> int:
+    text_config = config.get_text_config(decoder=True)
+    return int(getattr(text_config, "max_position_embeddings", None) or 2**31)
+
+
+def check_rollback_supported(model) -> None:
+    """Refuse up front a model whose KV cache cannot be cut back to an arbitrary length.
+
+    Sliding-window and linear-attention layers drop or fold past states; rolling them back needs states they no
+    longer hold, so speculation over them would silently corrupt the context.
+    """
+    cache = DynamicCache(config=model.config)
+    unsupported = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+    if unsupported:
+        raise RollbackUnsupported(
+            f"{type(model).__name__} uses cache layers that cannot be rolled back ({', '.join(unsupported)}); "
+            "speculative decoding needs a model with full attention in every layer.")
+
+
+class TorchRunner:
+    """A transformers causal LM (shared, never copied) plus this sequence's own DynamicCache."""
+
+    def __init__(self, model, vocab_size: int):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.max_length = context_length(model.config)
+        self.cache = DynamicCache(config=model.config)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        # logits_to_keep=1 skips the LM head (vocab x hidden per row) for positions nobody reads.
+        out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+        return out.logits[..., : self.vocab_size].float()
+
+    def rollback(self, length: int) -> None:
+        surplus = self.length - length
+        if surplus > 0:
+            self.cache.crop(-surplus)

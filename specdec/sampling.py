@@ -1,0 +1,64 @@
+"""Logits -> probabilities (temperature, top-k, top-p) and seeded sampling.
+
+The same `SamplingConfig` is applied to the target's logits (p) and the drafter's logits (q) before verification:
+speculative sampling is exact only for the distribution that both sides were warped to.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0  # 0 means greedy (argmax); > 0 samples from softmax(logits / temperature)
+    top_k: int | None = None  # keep only the k most likely tokens; None keeps all
+    top_p: float | None = None  # keep the smallest set of tokens whose mass reaches top_p; None keeps all
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1 or None, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """Warp logits [..., vocab] into a probability distribution [..., vocab] for sampling (temperature > 0)."""
+    if config.greedy:
+        raise ValueError("greedy decoding uses argmax of the logits, not probabilities")
+    logits = logits.float() / config.temperature
+    if config.top_k is not None and config.top_k < logits.shape[-1]:
+        kth_largest = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if config.top_p is not None and config.top_p < 1:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # A token survives when the tokens ranked above it hold less than top_p: the most likely one always does.
+        drop_sorted = mass_before >= config.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row of probs [..., vocab] -> [...]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with `seed`, or from the OS when seed is None (then each call differs)."""
+    generator = torch.Generator()
+    generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+    return generator

@@ -1,0 +1,61 @@
+"""Shared test fixtures: tiny random transformers models, a toy exact model, a tiny tokenizer."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = 64, layers: int = 2, max_positions: int = 256):
+    """A random causal LM small enough to run thousands of steps in a test. float64, and weights scaled up so that
+    logits are peaked: no near-ties whose argmax could flip with the batch shape of a forward pass."""
+    config_class, model_class = ARCHITECTURES[arch]
+    config = config_class(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                          initializer_range=0.3, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+                          pad_token_id=None)
+    torch.manual_seed(seed)
+    return model_class(config).to(torch.float64).eval()
+
+
+class ToyRunner:
+    """An exact tiny 'language model' behind the runner interface: the logits after a context are a fixed random
+    function of the whole context. Cheap enough for the tens of thousands of generations a chi-square test needs,
+    and its sequence distribution can be enumerated exactly."""
+
+    def __init__(self, vocab_size: int = 6, seed: int = 0, scale: float = 1.5, max_length: int = 64):
+        self.vocab_size, self.seed, self.scale, self.max_length = vocab_size, seed, scale, max_length
+        self.tokens: list[int] = []
+        self.calls = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    def logits_after(self, context: tuple[int, ...]) -> torch.Tensor:
+        digest = hashlib.sha256(repr((self.seed, context)).encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        return torch.randn(self.vocab_size, generator=generator, dtype=torch.float64) * self.scale
+
+    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        self.calls += 1
+        rows = []
+        for token in input_ids[0].tolist():
+            self.tokens.append(token)
+            rows.append(self.logits_after(tuple(self.tokens)))
+        logits = torch.stack(rows)[None]  # [1, n, vocab]
+        return logits[:, -1:] if last_only else logits
+
+    def rollback(self, length: int) -> None:
+        del self.tokens[length:]
+
+
+@pytest.fixture(scope="session")
+def llama_pair():
+    """(target, unrelated random draft) of one architecture."""
+    return tiny_model("llama", seed=0), tiny_model("llama", seed=1)

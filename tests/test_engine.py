@@ -1,0 +1,128 @@
+"""Invariants of the decoding loop on tiny random transformers: speculative greedy == plain greedy, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.drafters import ModelDrafter, NoDrafter
+from specdec.engine import speculative_decode
+from specdec.metrics import SpecStats
+from specdec.runners import TorchRunner
+from specdec.sampling import SamplingConfig, make_generator
+
+from conftest import tiny_model
+
+GREEDY = SamplingConfig()
+PROMPTS = [[5], [1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 9, 10, 11, 9, 9, 9]]
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: set[int] = frozenset()) -> list[int]:
+    """Plain greedy without any cache: the whole sequence through the model for every token."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if token in eos:
+                break
+            ids.append(token)
+    return ids[len(prompt):]
+
+
+def decode(target, drafter, prompt, k, max_new_tokens, eos=frozenset(), sampling=GREEDY, seed=0):
+    stats = SpecStats()
+    steps = list(speculative_decode(TorchRunner(target, target.config.vocab_size), drafter, torch.tensor([prompt]),
+                                    k=k, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    generator=make_generator(seed), eos_ids=frozenset(eos), stats=stats))
+    return [t for step in steps for t in step.tokens], steps, stats
+
+
+def draft_with(model):
+    return ModelDrafter(lambda: TorchRunner(model, model.config.vocab_size))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def models(request):
+    target = tiny_model(request.param, seed=0)
+    return {"target": target, "self": target, "random": tiny_model(request.param, seed=1),
+            "close": _perturbed(target)}
+
+
+def _perturbed(model):
+    """A draft that agrees with the target most of the time: the target with a little noise on its weights."""
+    torch.manual_seed(7)
+    close = tiny_model(model.config.model_type, seed=0)
+    with torch.no_grad():
+        for parameter in close.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    return close
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("draft", ["self", "random", "close"])
+def test_speculative_greedy_equals_plain_greedy(models, draft, k):
+    for prompt in PROMPTS:
+        expected = reference_greedy(models["target"], prompt, 24)
+        got, _, stats = decode(models["target"], draft_with(models[draft]), prompt, k, 24)
+        assert got == expected, (draft, k, prompt)
+        assert stats.new_tokens == 24
+
+
+def test_target_only_baseline_equals_reference(models):
+    for prompt in PROMPTS:
+        got, _, stats = decode(models["target"], NoDrafter(), prompt, 4, 16)
+        assert got == reference_greedy(models["target"], prompt, 16)
+        assert stats.drafted_tokens == 0 and stats.cycles == 16
+
+
+def test_target_as_its_own_draft_accepts_everything(models):
+    _, steps, stats = decode(models["target"], draft_with(models["self"]), PROMPTS[1], 4, 25)
+    assert stats.acceptance_rate == 1.0
+    assert stats.mean_accepted_length == 5.0  # k accepted + the bonus token, every cycle
+    assert [len(s.tokens) for s in steps] == [5] * 5
+    assert all(s.n_from_draft == 4 for s in steps)
+
+
+def test_random_draft_is_mostly_rejected(models):
+    _, _, stats = decode(models["target"], draft_with(models["random"]), PROMPTS[1], 4, 24)
+    assert stats.acceptance_rate < 0.5
+    assert stats.mean_accepted_length >= 1.0
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 3, 7, 11])
+def test_max_new_tokens_inside_an_accepted_run_is_never_exceeded(models, max_new_tokens):
+    expected = reference_greedy(models["target"], PROMPTS[1], max_new_tokens)
+    got, steps, _ = decode(models["target"], draft_with(models["self"]), PROMPTS[1], 4, max_new_tokens)
+    assert got == expected
+    assert steps[-1].finish_reason == "length"
+
+
+def test_eos_inside_an_accepted_run_stops_there(models):
+    full = reference_greedy(models["target"], PROMPTS[1], 20)
+    eos = full[6]  # a token the target emits in the middle of a 5-token accepted run
+    expected = reference_greedy(models["target"], PROMPTS[1], 20, {eos})
+    got, steps, _ = decode(models["target"], draft_with(models["self"]), PROMPTS[1], 4, 20, eos={eos})
+    assert got == expected and eos not in got
+    assert steps[-1].finish_reason == "stop"
+
+
+def test_context_limit_ends_with_length():
+    target = tiny_model("llama", seed=0, max_positions=12)
+    got, steps, _ = decode(target, draft_with(target), PROMPTS[1], 4, 50)
+    assert len(PROMPTS[1]) + len(got) == 12
+    assert steps[-1].finish_reason == "length"
+
+
+def test_draft_sees_the_recovered_token_before_its_next_proposal(models):
+    """After a rejection the drafter's cache must be rolled back and extended with the recovered token; a drafter
+    that kept stale keys would still produce correct output (the target decides) but a self-draft would stop
+    being accepted. So: a self-draft after a forced rejection keeps acceptance 1 from the next cycle on."""
+    target = models["target"]
+    drafter = draft_with(target)
+    drafter.begin(torch.tensor([PROMPTS[1]]))
+    context = torch.tensor([PROMPTS[1]])
+    drafter.propose(context, 4, GREEDY, make_generator(0))  # caches context + 3 draft tokens
+    recovered = torch.tensor([[3]])  # pretend the target rejected everything and emitted 3
+    context = torch.cat([context, recovered], dim=1)
+    proposal = drafter.propose(context, 4, GREEDY, make_generator(0))
+    assert proposal.tokens[0].tolist() == reference_greedy(target, context[0].tolist(), 4)
