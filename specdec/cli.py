@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, registry.ModelNotAvailable) as error:
+    except (ValueError, FileNotFoundError, registry.RegistryError) as error:
         print(f"specdec: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

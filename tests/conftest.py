@@ -37,7 +37,15 @@ class ToyRunner:
     def length(self) -> int:
         return len(self.tokens)
 
+    _memo: dict = {}  # (seed, scale, vocab, context) -> logits, shared by all instances: the function is fixed
+
     def logits_after(self, context: tuple[int, ...]) -> torch.Tensor:
+        key = (self.seed, self.scale, self.vocab_size, context)
+        if key not in self._memo:
+            self._memo[key] = self._random_logits(context)
+        return self._memo[key]
+
+    def _random_logits(self, context: tuple[int, ...]) -> torch.Tensor:
         digest = hashlib.sha256(repr((self.seed, context)).encode()).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
         return torch.randn(self.vocab_size, generator=generator, dtype=torch.float64) * self.scale
@@ -59,3 +67,23 @@ class ToyRunner:
 def llama_pair():
     """(target, unrelated random draft) of one architecture."""
     return tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+
+
+CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?()[]{}=+-*/_'\"#\n"
+
+
+def char_tokenizer():
+    """A character-level tokenizer over CHARS (one token per character, id 0 = <eos>), as a transformers tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(CHARS)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return char_tokenizer()

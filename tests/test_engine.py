@@ -54,7 +54,7 @@ def _perturbed(model):
     close = tiny_model(model.config.model_type, seed=0)
     with torch.no_grad():
         for parameter in close.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.05)
+            parameter.add_(torch.randn_like(parameter) * 0.01)
     return close
 
 

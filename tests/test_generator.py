@@ -1,0 +1,153 @@
+"""The public API: SpeculativeGenerator on tiny models with a character tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from specdec import SpeculativeGenerator
+from specdec.models import IncompatibleVocabulary
+from specdec.runners import RollbackUnsupported
+
+from conftest import char_tokenizer, tiny_model
+
+VOCAB = 60  # the character tokenizer's size
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("qwen2", seed=0, vocab_size=VOCAB)
+    draft = tiny_model("qwen2", seed=0, vocab_size=VOCAB)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def gen(pair, tokenizer):
+    target, draft = pair
+    return SpeculativeGenerator(target, draft, k=3, tokenizer=tokenizer, draft_tokenizer=tokenizer)
+
+
+@pytest.fixture(scope="module")
+def baseline(gen):
+    return SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer)
+
+
+def test_loaded_models_are_shared_not_copied(gen, baseline, pair):
+    assert gen.target is pair[0] and gen.draft is pair[1]
+    assert baseline.target is gen.target and baseline.draft is None
+
+
+def test_greedy_text_equals_target_only(gen, baseline):
+    for prompt in ["def f(x):", "hello world", "a"]:
+        out, ref = gen.generate(prompt, max_new_tokens=30), baseline.generate(prompt, max_new_tokens=30)
+        assert out.token_ids == ref.token_ids
+        assert out.text == ref.text == gen.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        assert len(out.from_draft) == len(out.token_ids)
+        assert out.stats.drafted_tokens > 0 and ref.stats.drafted_tokens == 0
+
+
+def test_stats_carry_the_documented_keys(gen):
+    stats = gen.generate("abc", max_new_tokens=12).stats.to_dict()
+    for key in ["target_calls", "draft_calls", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                "mean_accepted_length", "tokens_per_s", "emitted_per_cycle", "acceptance_by_position", "time_s"]:
+        assert key in stats
+    assert stats["new_tokens"] <= sum(int(n) * c for n, c in stats["emitted_per_cycle"].items())
+    assert stats["target_calls"] == stats["cycles"] + 1  # the prefill, then one call per cycle
+
+
+def test_same_seed_same_sample_different_seeds_differ(gen):
+    runs = [gen.generate("abc", max_new_tokens=20, temperature=1.0, seed=s).token_ids for s in (1, 1, 2, 3)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2] or runs[0] != runs[3]
+
+
+def test_stream_yields_the_same_text_and_tokens_as_generate(gen):
+    settings = dict(max_new_tokens=25, temperature=0.8, top_p=0.9, seed=5)
+    chunks = list(gen.stream("xyz", **settings))
+    out = gen.generate("xyz", **settings)
+    assert "".join(c.text for c in chunks) == out.text
+    assert [t for c in chunks for t in c.token_ids] == out.token_ids
+    assert chunks[-1].finish_reason == out.finish_reason and chunks[-1].stats is not None
+
+
+def test_stop_string_cuts_text_and_tokens(gen, baseline):
+    full = baseline.generate("hello", max_new_tokens=40)
+    assert len(full.text) > 10
+    stop = full.text[5:7]
+    first = full.text.find(stop)
+    out = gen.generate("hello", max_new_tokens=40, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:first]
+    assert out.token_ids == full.token_ids[: len(out.token_ids)]
+    assert gen.tokenizer.decode(out.token_ids).endswith(stop)  # the tokens end with the stop string itself
+    streamed = "".join(c.text for c in gen.stream("hello", max_new_tokens=40, stop=[stop]))
+    assert streamed == out.text
+
+
+def test_eos_ends_generation_and_is_not_returned(pair, tokenizer):
+    target = pair[0]
+    reference = SpeculativeGenerator(target, None, tokenizer=tokenizer).generate("q", max_new_tokens=20)
+    eos_char = reference.text[4]
+    eos_tokenizer = char_tokenizer()
+    eos_tokenizer.eos_token = eos_char  # make a character the target emits mid-run the end-of-sequence token
+    out = SpeculativeGenerator(target, target, k=4, tokenizer=eos_tokenizer, draft_tokenizer=eos_tokenizer).generate(
+        "q", max_new_tokens=20)
+    assert out.finish_reason == "stop"
+    assert out.token_ids == reference.token_ids[: reference.text.index(eos_char)]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt=""), "prompt is empty"),
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(k=0), "k (draft tokens per cycle)"),
+    (dict(prompt="a" * 300), "context"),
+])
+def test_bad_input_gets_a_clear_error(gen, kwargs, message):
+    settings = dict(prompt="abc", max_new_tokens=5) | kwargs
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        gen.generate(settings.pop("prompt"), **settings)
+
+
+def test_k_below_one_refused_at_construction(pair):
+    with pytest.raises(ValueError, match="k"):
+        SpeculativeGenerator(pair[0], pair[1], k=0)
+
+
+def test_vocabulary_size_mismatch_is_refused(pair):
+    with pytest.raises(IncompatibleVocabulary, match=f"target vocabulary has {VOCAB} tokens, draft has 70"):
+        SpeculativeGenerator(pair[0], tiny_model("qwen2", vocab_size=70))
+
+
+def test_tokenizer_mismatch_names_the_first_differing_token(pair, tokenizer):
+    other = char_tokenizer()
+    vocab = dict(tokenizer.get_vocab())
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    from tokenizers import Tokenizer, models
+    other.backend_tokenizer.model = models.WordLevel(vocab, unk_token="<eos>")
+    with pytest.raises(IncompatibleVocabulary, match="first difference at id 1: target 'a' vs draft 'b'"):
+        SpeculativeGenerator(pair[0], pair[1], tokenizer=tokenizer, draft_tokenizer=other)
+
+
+def test_model_whose_cache_cannot_roll_back_is_refused():
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True, sliding_window=8,
+                         max_window_layers=0)
+    sliding = Qwen2ForCausalLM(config)
+    with pytest.raises(RollbackUnsupported, match="cannot be rolled back"):
+        SpeculativeGenerator(sliding, None)
+
+
+def test_token_id_prompts_work_without_a_tokenizer(pair):
+    gen = SpeculativeGenerator(pair[0], pair[1], k=2)
+    out = gen.generate([1, 2, 3], max_new_tokens=8)
+    assert len(out.token_ids) == 8 and out.text == ""
+    with pytest.raises(ValueError, match="no tokenizer"):
+        gen.generate("text", max_new_tokens=3)
