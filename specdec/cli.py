@@ -18,7 +18,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=registry.DEFAULT_DRAFT,
                         help="draft model (like --target), a drafter name, or 'none' for target-only decoding "
                              "(default: %(default)s)")
-    parser.add_argument("--k", type=int, default=4, help="draft tokens per cycle (default: %(default)s)")
+    parser.add_argument("--k", default="4", help="draft tokens per cycle, or 'auto' to adapt it per request "
+                                                  "(default: %(default)s)")
 
 
 def add_generate_parser(subparsers) -> None:

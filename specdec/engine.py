@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import torch
 
@@ -15,6 +15,11 @@ from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.verify import greedy_verify, rejection_sample
 
 
+class KPolicy(Protocol):
+    def next_k(self) -> int: ...
+    def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None: ...
+
+
 @dataclass(frozen=True)
 class Step:
     tokens: list[int]  # tokens committed by one cycle, in order
@@ -22,10 +27,12 @@ class Step:
     finish_reason: str | None = None  # "stop" (end-of-sequence token), "length" (token budget or context), or None
 
 
-def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: int,
+def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
                        max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator,
                        eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None) -> Iterator[Step]:
     """Yield the tokens of prompt_ids [1, n] continued by the target, as each cycle commits them.
+
+    k chooses the number of draft tokens each cycle (specdec.adaptive: FixedK, AdaptiveK).
 
     The target's cache always holds every committed token but the newest one; each cycle feeds that token plus the
     draft, so one target pass yields p at the k draft positions and at the bonus position.
@@ -47,7 +54,7 @@ def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tenso
         budget = min(max_new_tokens - emitted, room)
         tick = time.perf_counter()
         # Drafting beyond budget - 1 tokens is wasted: the cycle emits n_accepted + 1 tokens.
-        proposal = drafter.propose(context, min(k, budget - 1), sampling, generator)
+        proposal = drafter.propose(context, min(k.next_k(), budget - 1), sampling, generator)
         draft = proposal.tokens  # [1, n_draft]
         tock = time.perf_counter()
         logits = target.forward(torch.cat([context[:, -1:], draft], dim=1))  # [1, n_draft + 1, vocab]
@@ -58,8 +65,10 @@ def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tenso
         n_accepted = int(n_accepted[0])
         target.rollback(context.shape[1] + n_accepted)
         drafter.accept(draft.shape[1], n_accepted)
+        verified = time.perf_counter()
+        k.observe(draft.shape[1], n_accepted, tock - tick, verified - tock)
         stats.draft_s += tock - tick
-        stats.verify_s += time.perf_counter() - tock
+        stats.verify_s += verified - tock
         stats.target_calls += 1
         stats.draft_calls += proposal.forward_calls
         stats.observe(draft.shape[1], n_accepted)

@@ -7,6 +7,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from specdec.adaptive import make_k_policy
 from specdec.drafters import TargetInfo, build_drafter
 from specdec.engine import speculative_decode
 from specdec.metrics import SpecStats
@@ -37,15 +38,16 @@ class GenerationResult:
 class SpeculativeGenerator:
     """Generates with a target model while a drafter guesses ahead; output is distributed exactly as the target's.
 
+    k: draft tokens per cycle, or "auto" to choose k each cycle from the acceptance and costs observed so far.
+
     target: a transformers causal LM, a local directory, a .gguf file or a registry name (`specdec models list`).
     draft: None (target-only decoding, the baseline), a drafter name ("ngram", "self:N", ...), a Drafter, or a draft
     model given like the target. Loaded models are shared, never copied: pass `gen.target` to another generator.
     """
 
-    def __init__(self, target, draft=None, k: int = 4, *, tokenizer=None, draft_tokenizer=None,
+    def __init__(self, target, draft=None, k: int | str = 4, *, tokenizer=None, draft_tokenizer=None,
                  dtype: torch.dtype = torch.float32):
-        if k < 1:
-            raise ValueError(f"k (draft tokens per cycle) must be >= 1, got {k}")
+        make_k_policy(k)  # refuse a bad k now rather than at the first request
         self.k = k
         self.target, self.tokenizer = load_causal_lm(target, tokenizer, dtype)
         check_rollback_supported(self.target)
@@ -75,14 +77,12 @@ class SpeculativeGenerator:
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
-               chat: bool = False, k: int | None = None) -> Iterator[Chunk]:
+               chat: bool = False, k: int | str | None = None) -> Iterator[Chunk]:
         """Yield chunks of new text as soon as each cycle commits them; the last chunk carries the stats."""
         sampling = SamplingConfig(temperature, top_k, top_p)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        k = self.k if k is None else k
-        if k < 1:
-            raise ValueError(f"k (draft tokens per cycle) must be >= 1, got {k}")
+        k_policy = make_k_policy(self.k if k is None else k)
         prompt_ids = self.encode(prompt, chat)
         runner = TorchRunner(self.target, self.vocab_size)
         if prompt_ids.shape[1] >= runner.max_length:
@@ -90,7 +90,7 @@ class SpeculativeGenerator:
                              f"{runner.max_length}: shorten the prompt")
         stats = SpecStats()
         text = _Detokenizer(self.tokenizer, stop)
-        steps = speculative_decode(runner, self.drafter, prompt_ids, k=k, max_new_tokens=max_new_tokens,
+        steps = speculative_decode(runner, self.drafter, prompt_ids, k=k_policy, max_new_tokens=max_new_tokens,
                                    sampling=sampling, generator=make_generator(seed), eos_ids=self.eos_ids,
                                    stats=stats)
         for step in steps:
@@ -106,7 +106,7 @@ class SpeculativeGenerator:
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
-                 chat: bool = False, k: int | None = None) -> GenerationResult:
+                 chat: bool = False, k: int | str | None = None) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt (text or token ids). temperature 0 is greedy."""
         token_ids, from_draft, texts = [], [], []
         for chunk in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.adaptive import FixedK
 from specdec.drafters import ModelDrafter, NoDrafter
 from specdec.engine import speculative_decode
 from specdec.metrics import SpecStats
@@ -32,7 +33,7 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: set[int
 def decode(target, drafter, prompt, k, max_new_tokens, eos=frozenset(), sampling=GREEDY, seed=0):
     stats = SpecStats()
     steps = list(speculative_decode(TorchRunner(target, target.config.vocab_size), drafter, torch.tensor([prompt]),
-                                    k=k, max_new_tokens=max_new_tokens, sampling=sampling,
+                                    k=FixedK(k), max_new_tokens=max_new_tokens, sampling=sampling,
                                     generator=make_generator(seed), eos_ids=frozenset(eos), stats=stats))
     return [t for step in steps for t in step.tokens], steps, stats
 

@@ -14,6 +14,7 @@ import torch
 from scipy.stats import chisquare
 
 import specdec.engine
+from specdec.adaptive import FixedK
 from specdec.drafters import Drafter, ModelDrafter, Proposal
 from specdec.engine import speculative_decode
 from specdec.sampling import SamplingConfig, logits_to_probs, make_generator, sample
@@ -58,7 +59,7 @@ def sample_sequences(make_drafter, k: int, n_new: int, sampling: SamplingConfig)
     drafter = make_drafter()
     prompt = torch.tensor([PROMPT])
     for _ in range(DRAWS):
-        steps = speculative_decode(ToyRunner(VOCAB, seed=0), drafter, prompt, k=k, max_new_tokens=n_new,
+        steps = speculative_decode(ToyRunner(VOCAB, seed=0), drafter, prompt, k=FixedK(k), max_new_tokens=n_new,
                                    sampling=sampling, generator=generator)
         seq = tuple(t for step in steps for t in step.tokens)
         counts[seq] = counts.get(seq, 0) + 1
