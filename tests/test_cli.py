@@ -1,0 +1,92 @@
+"""`specdec generate` end to end on a tiny model saved to disk."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specdec import SpeculativeGenerator
+from specdec.cli import main
+
+from conftest import char_tokenizer, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    target = tiny_model("llama", seed=0, vocab_size=60).to(torch.float32)
+    draft = tiny_model("llama", seed=0, vocab_size=60).to(torch.float32)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        char_tokenizer().save_pretrained(root / name)
+    return root / "target", root / "draft"
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_json_output_matches_the_python_api(model_dirs, capsys):
+    target, draft = model_dirs
+    code, out, _ = run(capsys, "generate", "--target", str(target), "--draft", str(draft), "--prompt", "def f",
+                       "--max-new-tokens", "20", "--k", "3", "--json")
+    assert code == 0
+    record = json.loads(out)
+    assert set(record) >= {"text", "token_ids", "stats"}
+    for key in ["target_calls", "draft_calls", "drafted_tokens", "accepted_tokens", "acceptance_rate",
+                "mean_accepted_length", "tokens_per_s"]:
+        assert key in record["stats"]
+    expected = SpeculativeGenerator(str(target), None).generate("def f", max_new_tokens=20)
+    assert record["token_ids"] == expected.token_ids and record["text"] == expected.text
+
+
+def test_draft_none_is_target_only(model_dirs, capsys):
+    code, out, _ = run(capsys, "generate", "--target", str(model_dirs[0]), "--draft", "none", "--prompt", "ab",
+                       "--max-new-tokens", "8", "--json")
+    assert code == 0 and json.loads(out)["stats"]["drafted_tokens"] == 0
+
+
+def test_text_output_has_a_summary_and_the_compare_line(model_dirs, capsys):
+    target, draft = model_dirs
+    code, out, _ = run(capsys, "generate", "--target", str(target), "--draft", str(draft), "--prompt", "x = ",
+                       "--max-new-tokens", "16", "--temperature", "0.8", "--seed", "3", "--compare")
+    assert code == 0
+    assert "tokens/s" in out and "acceptance rate" in out and "mean accepted length" in out
+    assert "speed-up" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--k", "0"], "k (draft tokens per cycle) must be >= 1"),
+    (["--k", "two"], "k must be a positive integer or 'auto'"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "2"], "top_p must be in (0, 1]"),
+    (["--max-new-tokens", "-3"], "max_new_tokens must be >= 0"),
+    (["--prompt", ""], "prompt is empty"),
+])
+def test_bad_input_exits_2_with_a_clear_message(model_dirs, capsys, flags, message):
+    args = ["generate", "--target", str(model_dirs[0]), "--draft", "none", "--prompt", "ab"] + flags
+    code, _, err = run(capsys, *args)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_unknown_model_names_the_choices(capsys, tmp_path):
+    code, _, err = run(capsys, "generate", "--target", str(tmp_path / "nowhere"), "--draft", "none")
+    assert code == 2 and "unknown model" in err and "qwen2.5-coder-1.5b-instruct" in err
+
+
+def test_console_script_runs(model_dirs):
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--target", str(model_dirs[0]),
+                           "--draft", "none", "--prompt", "ab", "--max-new-tokens", "4", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["token_ids"]) <= 4
