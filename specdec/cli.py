@@ -6,7 +6,8 @@ import argparse
 import json
 import sys
 
-from specdec import registry
+from specdec import bench
+from specdec import registry, server
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
@@ -18,6 +19,10 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=registry.DEFAULT_DRAFT,
                         help="draft model (like --target), a drafter name, or 'none' for target-only decoding "
                              "(default: %(default)s)")
+    parser.add_argument("--quantize-draft", choices=["int8"], default=None,
+                        help="int8 weights for the draft model: faster drafts, output unchanged")
+    parser.add_argument("--quantize-target", choices=["int8"], default=None,
+                        help="int8 weights for the target: faster, but output is then the quantized target's")
     parser.add_argument("--k", default="4", help="draft tokens per cycle, or 'auto' to adapt it per request "
                                                   "(default: %(default)s)")
 
@@ -43,7 +48,8 @@ def run_generate(args) -> int:
     from specdec.generator import SpeculativeGenerator
 
     draft = None if args.draft == "none" else args.draft
-    gen = SpeculativeGenerator(args.target, draft, k=args.k)
+    gen = SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
+                               draft_quantization=args.quantize_draft)
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     out = gen.generate(args.prompt, **settings)
@@ -74,6 +80,8 @@ def run_generate(args) -> int:
 COMMANDS = {
     "generate": add_generate_parser,
     "models": registry.add_models_parser,
+    "serve": server.add_serve_parser,
+    "bench": bench.add_bench_parser,
 }
 
 
@@ -83,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     for add_parser in COMMANDS.values():
         add_parser(subparsers)
     args = parser.parse_args(argv)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # per-tensor loading bars of a cached model flash by in 0.1 s
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, registry.RegistryError) as error:

@@ -39,6 +39,9 @@ class SpeculativeGenerator:
     """Generates with a target model while a drafter guesses ahead; output is distributed exactly as the target's.
 
     k: draft tokens per cycle, or "auto" to choose k each cycle from the acceptance and costs observed so far.
+    draft_quantization="int8" runs the draft model with int8 weights: cheaper drafts, exactness untouched (the target
+    decides). target_quantization="int8" changes the target itself: output is then exact relative to the quantized
+    target, and a baseline must use the same quantized target.
 
     target: a transformers causal LM, a local directory, a .gguf file or a registry name (`specdec models list`).
     draft: None (target-only decoding, the baseline), a drafter name ("ngram", "self:N", ...), a Drafter, or a draft
@@ -46,13 +49,14 @@ class SpeculativeGenerator:
     """
 
     def __init__(self, target, draft=None, k: int | str = 4, *, tokenizer=None, draft_tokenizer=None,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, target_quantization: str | None = None,
+                 draft_quantization: str | None = None):
         make_k_policy(k)  # refuse a bad k now rather than at the first request
         self.k = k
-        self.target, self.tokenizer = load_causal_lm(target, tokenizer, dtype)
+        self.target, self.tokenizer = load_causal_lm(target, tokenizer, dtype, target_quantization)
         check_rollback_supported(self.target)
         self.vocab_size = own_vocab_size(self.target, self.tokenizer)
-        info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype)
+        info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype, draft_quantization)
         self.drafter, self.draft = build_drafter(draft, info, draft_tokenizer)
         self.eos_ids = _eos_ids(self.target, self.tokenizer)
 

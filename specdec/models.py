@@ -30,20 +30,48 @@ def resolve_model_dir(spec: str | Path) -> Path:
                      "a local transformers model directory, or a .gguf file (see `specdec models list`)")
 
 
-def load_causal_lm(spec, tokenizer=None, dtype: torch.dtype = torch.float32):
-    """-> (model, tokenizer or None). An already-loaded model is returned as is: shared, never copied."""
+def quantize_int8(model):
+    """Swap every nn.Linear (LM head included) for an int8 dynamically quantized one, in place.
+
+    Measured on the 2-core AVX-512 VNNI CPU, one 1536x8960 layer: fp32 takes 2.15 ms for 1 row and 5.56 ms for 4,
+    int8 0.60 ms and 0.63 ms. torch.ao's dynamic quantization is deprecated in favour of torchao, whose CPU path
+    needs a newer torch than the pinned 2.13.
+    """
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+QUANTIZATIONS = {"int8": quantize_int8}  # name -> in-place transform of a model that specdec loaded itself
+
+
+def load_causal_lm(spec, tokenizer=None, dtype: torch.dtype = torch.float32, quantization: str | None = None):
+    """-> (model, tokenizer or None). An already-loaded model is returned as is: shared, never copied.
+
+    quantization: None (weights as loaded) or a name in QUANTIZATIONS, applied to a model loaded here.
+    """
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}: choose from {', '.join(QUANTIZATIONS)}")
     if isinstance(spec, PreTrainedModel):
+        if quantization is not None:
+            raise ValueError("quantization applies to models that specdec loads; quantize a model you pass in yourself")
         return spec, tokenizer
     directory = resolve_model_dir(spec)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
     model.eval()
+    if quantization is not None:
+        QUANTIZATIONS[quantization](model)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return model, tokenizer
 
 
 def model_vocab_size(model) -> int:
-    return model.get_output_embeddings().weight.shape[0]
+    return model.get_output_embeddings().out_features  # also defined on quantized linear layers
 
 
 def shared_vocab_size(target, target_tokenizer, draft, draft_tokenizer) -> int:

@@ -151,3 +151,21 @@ def test_token_id_prompts_work_without_a_tokenizer(pair):
     assert len(out.token_ids) == 8 and out.text == ""
     with pytest.raises(ValueError, match="no tokenizer"):
         gen.generate("text", max_new_tokens=3)
+
+
+def test_int8_draft_keeps_greedy_output_identical(tmp_path, tokenizer):
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB).float()
+    target.save_pretrained(tmp_path / "draft")
+    tokenizer.save_pretrained(tmp_path / "draft")
+    gen = SpeculativeGenerator(target, str(tmp_path / "draft"), k=4, tokenizer=tokenizer, draft_quantization="int8")
+    assert "quantized" in type(gen.draft.get_output_embeddings()).__module__
+    baseline = SpeculativeGenerator(target, None, tokenizer=tokenizer)
+    for prompt in ["abc", "def g(y):"]:
+        out = gen.generate(prompt, max_new_tokens=24)
+        assert out.token_ids == baseline.generate(prompt, max_new_tokens=24).token_ids
+        assert out.stats.acceptance_rate > 0.5  # the int8 copy of the target still agrees with it mostly
+
+
+def test_quantizing_a_passed_in_model_is_refused(pair):
+    with pytest.raises(ValueError, match="quantization applies to models that specdec loads"):
+        SpeculativeGenerator(pair[0], None, target_quantization="int8")

@@ -20,6 +20,7 @@ class TargetInfo:
     tokenizer: object
     vocab_size: int
     dtype: torch.dtype
+    draft_quantization: str | None = None  # applied to a draft model that a drafter loads (see models.QUANTIZATIONS)
 
 
 # name -> factory(target, argument after the colon or None) -> (drafter, draft model or None)
@@ -55,9 +56,16 @@ def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Draft
         name, _, arg = spec.partition(":")
         if name in DRAFTERS:
             return DRAFTERS[name](target, arg or None)
-    draft_model, draft_tokenizer = load_causal_lm(spec, draft_tokenizer, target.dtype)
+    draft_model, draft_tokenizer = load_causal_lm(spec, draft_tokenizer, target.dtype, target.draft_quantization)
     return model_drafter(draft_model, target, draft_tokenizer), draft_model
 
 
 __all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "NoDrafter", "Proposal", "TargetInfo", "build_drafter",
            "model_drafter", "register"]
+
+# Imported last: each module registers its drafters with `register`, defined above.
+from specdec.drafters.early_exit import EarlyExitRunner, early_exit_drafter  # noqa: E402
+from specdec.drafters.hybrid import HybridDrafter  # noqa: E402
+from specdec.drafters.ngram import NgramDrafter, find_continuation  # noqa: E402
+
+__all__ += ["EarlyExitRunner", "HybridDrafter", "NgramDrafter", "early_exit_drafter", "find_continuation"]
