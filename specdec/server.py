@@ -1,0 +1,542 @@
+"""OpenAI-compatible HTTP server over one SpeculativeGenerator (`specdec serve`).
+
+Endpoints: POST /v1/completions and POST /v1/chat/completions (`stream: true` answers with server-sent events),
+GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+
+The model serves one request at a time: a generation keeps per-sequence state in the drafter and the KV caches, so
+one lock serialises generations. Their forward passes are blocking work, run in a worker thread one cycle per hop, so
+the event loop keeps answering (health, metrics, new requests) and a client that disconnects stops its generation at
+the next cycle. Requests waiting for the lock form a bounded queue: while max_queue are waiting, a new one gets 503.
+
+Responses carry OpenAI's fields plus `specdec`: the request's speculation stats (SpecStats.to_dict(): drafted and
+accepted tokens, acceptance rate, mean accepted length, ...). A stream carries them on its last chunk before
+`data: [DONE]`, which is the usage chunk (`choices: []`) when `stream_options.include_usage` asks for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, AsyncIterator, Callable, Iterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+if TYPE_CHECKING:
+    from specdec.generator import Chunk, SpeculativeGenerator
+    from specdec.metrics import SpecStats
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_QUEUE = 32  # requests that may wait for the model while it serves another; one more gets 503
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context has left
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")  # metric labels
+
+# OpenAI options this server does not implement, with the values that leave them off: others are refused, not ignored.
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0),
+               "frequency_penalty": (None, 0), "tools": (None, []), "functions": (None, []),
+               "response_format": (None, {"type": "text"})}
+
+
+# ---- request bodies: strict types ("16" is not a number), unknown fields kept so unsupported ones can be refused
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool | None = None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    model: str
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0)  # None -> 1.0, OpenAI's default; 0 is greedy
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)  # not OpenAI's; accepted as vLLM does
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what a torch.Generator takes
+    n: int | None = None  # only 1
+    stream: bool | None = None
+    stream_options: _StreamOptions | None = None
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int]  # text, or token ids of the target's vocabulary
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": self.role, "content": content}
+
+
+class ChatBody(_Body):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name for max_tokens
+
+
+# ---- errors, in OpenAI's shape
+
+class APIError(Exception):
+    """An error answered as {"error": {"message", "type", "param", "code"}}, like OpenAI's."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind, self.headers = (
+            status, message, param, code, kind, headers)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _validation_error(error: RequestValidationError) -> APIError:
+    first = error.errors()[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', '')})")
+    where = [str(part) for part in first["loc"] if part != "body"]
+    message = f"{'.'.join(where)}: {first['msg']}" if where else f"the request body: {first['msg']}"
+    return APIError(400, message, where[0] if where else None)
+
+
+# ---- the model's one slot and a request's turn on it
+
+class _ModelSlot:
+    """One generation at a time; at most max_queue more requests wait for it, beyond that 503 at once."""
+
+    def __init__(self, max_queue: int):
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.max_queue = max_queue
+        self.pending = 0  # requests generating or waiting to
+        self._lock = asyncio.Lock()
+
+    async def acquire(self) -> None:
+        if self.pending > self.max_queue:  # one generating and max_queue waiting
+            raise APIError(503, f"the server is busy: {self.pending - 1} requests are already waiting for the model; "
+                                "retry later", code="server_busy", kind="server_error", headers={"Retry-After": "1"})
+        self.pending += 1
+        try:
+            await self._lock.acquire()
+        except BaseException:
+            self.pending -= 1
+            raise
+
+    def release(self) -> None:
+        self.pending -= 1
+        self._lock.release()
+
+
+class _Turn:
+    """A request's turn on the model: each next() runs one cycle in a worker thread. A cancelled await still waits for
+    that thread (anyio shields it), so the model is never left mid-cycle. close() ends the generation and frees the
+    model; it is safe to call more than once."""
+
+    def __init__(self, chunks: Iterator[Chunk], release: Callable[[], None], on_first: Callable[[], None],
+                 on_last: Callable[[SpecStats], None]):
+        self._chunks, self._release, self._on_first, self._on_last = chunks, release, on_first, on_last
+        self._started = False
+
+    async def next(self) -> Chunk | None:
+        try:
+            chunk = await run_in_threadpool(next, self._chunks, None)
+        except ValueError as error:  # the generator refuses the request: prompt too long, token ids out of range, ...
+            raise APIError(400, str(error)) from error
+        if not self._started:
+            self._started = True
+            self._on_first()
+        if chunk is not None and chunk.stats is not None:
+            self._on_last(chunk.stats)
+        return chunk
+
+    def close(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            try:
+                self._chunks.close()
+            finally:
+                release()
+
+
+class _TurnStream(StreamingResponse):
+    """Server-sent events that free the model when the response ends, however it ends: finished, client gone (the body
+    cancelled mid-cycle or left waiting at a yield), or never started."""
+
+    def __init__(self, events: AsyncIterator[str], turn: _Turn):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.turn = turn
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.turn.close()
+
+
+# ---- response bodies
+
+@dataclass
+class _Reply:
+    """The response bodies of one request, in its endpoint's shape."""
+    chat: bool
+    model: str
+    prompt_tokens: int
+    id: str = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def usage(self, stats: SpecStats) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": stats.new_tokens,
+                "total_tokens": self.prompt_tokens + stats.new_tokens}
+
+    def whole(self, text: str, last: Chunk) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": last.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
+                              usage=self.usage(last.stats), specdec=last.stats.to_dict())
+
+    def piece(self, chunk: Chunk, first: bool, with_stats: bool) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": chunk.finish_reason}
+        else:
+            choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
+        extra = {"specdec": chunk.stats.to_dict()} if with_stats else {}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
+
+    def usage_piece(self, stats: SpecStats) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
+                              usage=self.usage(stats), specdec=stats.to_dict())
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def _events(turn: _Turn, first: Chunk, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
+    """One event per generator Chunk, the usage chunk if asked for, then [DONE]. An error mid-stream (the status line
+    is already sent) becomes an error event, as OpenAI sends it."""
+    chunk, is_first = first, True
+    try:
+        while chunk is not None:
+            last = chunk.finish_reason is not None
+            yield _event(reply.piece(chunk, is_first, with_stats=last and not include_usage))
+            if last:
+                if include_usage:
+                    yield _event(reply.usage_piece(chunk.stats))
+                break
+            chunk, is_first = await turn.next(), False
+    except APIError as error:
+        yield _event(error.body())
+        return
+    except Exception:
+        log.exception("generation failed mid-stream")
+        yield _event(APIError(500, "generation failed", kind="server_error").body())
+        return
+    yield "data: [DONE]\n\n"
+
+
+# ---- metrics
+
+class _Metrics:
+    """Prometheus metrics of one app, in its own registry (several apps may live in one process, as in the tests)."""
+
+    def __init__(self, queue_depth: Callable[[], int]):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=registry)
+        self.latency = Histogram("specdec_request_latency_seconds", "Request latency, a stream until its last byte",
+                                 ["endpoint"], registry=registry,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.ttft = Histogram("specdec_time_to_first_token_seconds",
+                              "From arrival (queueing included) to the first cycle's tokens", ["endpoint"],
+                              registry=registry, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished generations",
+                                     registry=registry)
+        self.completion_tokens = Counter("specdec_completion_tokens", "Tokens generated", registry=registry)
+        self.drafted = Counter("specdec_drafted_tokens", "Draft tokens proposed", registry=registry)
+        self.accepted = Counter("specdec_accepted_tokens", "Draft tokens accepted by the target", registry=registry)
+        self.cycles = Counter("specdec_verify_cycles", "Verify cycles (mean accepted length = "
+                              "(accepted + cycles) / cycles)", registry=registry)
+        self._totals = [0, 0]  # drafted, accepted: for the acceptance-rate gauge
+        Gauge("specdec_acceptance_rate", "Accepted / drafted tokens over all generations so far",
+              registry=registry).set_function(lambda: self._totals[1] / self._totals[0] if self._totals[0] else 0.0)
+        Gauge("specdec_queue_depth", "Requests generating or waiting for the model",
+              registry=registry).set_function(queue_depth)
+
+    def observe_generation(self, prompt_tokens: int, stats: SpecStats) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(stats.new_tokens)
+        self.drafted.inc(stats.drafted_tokens)
+        self.accepted.inc(stats.accepted_tokens)
+        self.cycles.inc(stats.cycles)
+        self._totals[0] += stats.drafted_tokens
+        self._totals[1] += stats.accepted_tokens
+
+
+class _Observe:
+    """ASGI middleware: count requests by endpoint and status, and time them (a stream until its last byte)."""
+
+    def __init__(self, app, metrics: _Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+        status, started = 500, time.perf_counter()  # 500 unless a response starts: the app raised
+
+        async def send_noting_status(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+
+class _Authenticate:
+    """ASGI middleware: every route but /health requires `Authorization: Bearer <api key>`."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = APIError(401, "missing or incorrect API key: send `Authorization: Bearer <key>`",
+                                 code="invalid_api_key")
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+# ---- the app
+
+class _Service:
+    """What the routes share: the generator, its one slot, the metrics."""
+
+    def __init__(self, generator: SpeculativeGenerator, model_name: str, max_queue: int):
+        from specdec.runners import context_length  # torch and transformers: loaded with the generator anyway
+
+        self.generator, self.model_name = generator, model_name
+        self.context = context_length(generator.target.config)
+        self.slot = _ModelSlot(max_queue)
+        self.metrics = _Metrics(lambda: self.slot.pending)
+        self.created = int(time.time())
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specdec"}
+
+    def check(self, body: _Body) -> None:
+        if body.model != self.model_name:
+            raise APIError(404, f"the model `{body.model}` does not exist: this server serves `{self.model_name}`",
+                           "model", "model_not_found")
+        if body.n not in (None, 1):
+            raise APIError(400, f"n must be 1 (got {body.n}): this server returns one choice per request", "n")
+        for name, value in (body.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+                raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
+
+    def settings(self, body: _Body, n_prompt: int, max_tokens: int, prompt_param: str) -> dict:
+        """The generator's keyword arguments; a completion that cannot fit in the context is refused up front."""
+        if n_prompt + max_tokens > self.context:
+            raise APIError(400, f"this model's context holds {self.context} tokens, but {n_prompt + max_tokens} were "
+                                f"requested ({n_prompt} in the {prompt_param}, {max_tokens} for the completion): "
+                                f"shorten the {prompt_param} or lower max_tokens",
+                           "max_tokens" if n_prompt < self.context else prompt_param, "context_length_exceeded")
+        return dict(max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
+                    top_k=body.top_k, top_p=body.top_p, seed=body.seed,
+                    stop=[body.stop] if isinstance(body.stop, str) else body.stop or [])
+
+    async def respond(self, request: Request, body: _Body, prompt_ids: list[int], settings: dict, chat: bool,
+                      started: float) -> Response:
+        endpoint = request.url.path
+        reply = _Reply(chat, self.model_name, len(prompt_ids))
+        await self.slot.acquire()
+        try:
+            client_left = await request.is_disconnected()  # while it waited: generate nothing for nobody
+        except BaseException:
+            self.slot.release()
+            raise
+        if client_left:
+            self.slot.release()
+            return Response(status_code=499)
+        turn = _Turn(self.generator.stream(prompt_ids, **settings), self.slot.release,
+                     on_first=lambda: self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started),
+                     on_last=lambda stats: self.metrics.observe_generation(len(prompt_ids), stats))
+        if body.stream:
+            try:
+                first = await turn.next()  # the generator refuses a bad request here, while a 400 can still be sent
+            except BaseException:
+                turn.close()
+                raise
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _TurnStream(_events(turn, first, reply, include_usage), turn)
+        texts = []
+        try:
+            while (chunk := await turn.next()) is not None:
+                texts.append(chunk.text)
+                last = chunk
+                if chunk.finish_reason is None and await request.is_disconnected():
+                    return Response(status_code=499)
+        finally:
+            turn.close()
+        return JSONResponse(reply.whole("".join(texts), last))
+
+
+def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | None = None,
+               max_queue: int = DEFAULT_MAX_QUEUE) -> FastAPI:
+    """An OpenAI-compatible app serving `generator` under `model_name` (the `model` clients must send)."""
+    service = _Service(generator, model_name, max_queue)
+    app = FastAPI(title="specdec", summary="Exact speculative decoding behind an OpenAI-compatible API")
+    app.state.service = service
+    if api_key:
+        app.add_middleware(_Authenticate, api_key=api_key)
+    app.add_middleware(_Observe, metrics=service.metrics)  # added last: outermost, so it counts 401s too
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> Response:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> Response:
+        return _validation_error(error).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        return APIError(error.status_code, str(error.detail), headers=error.headers).response()
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, error: Exception) -> Response:
+        return APIError(500, f"internal error: {type(error).__name__}", kind="server_error").response()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        started = time.perf_counter()
+        service.check(body)
+        try:
+            prompt_ids = generator.encode(body.prompt)[0].tolist()  # special tokens added, as `generate` does
+        except ValueError as error:
+            raise APIError(400, str(error), "prompt") from error
+        max_tokens = COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        settings = service.settings(body, len(prompt_ids), max_tokens, "prompt")
+        return await service.respond(request, body, prompt_ids, settings, chat=False, started=started)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request) -> Response:
+        started = time.perf_counter()
+        service.check(body)
+        tokenizer = generator.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
+        from jinja2 import TemplateError  # here: only chat templates need jinja2
+
+        try:
+            text = tokenizer.apply_chat_template([m.as_template_input() for m in body.messages], tokenize=False,
+                                                 add_generation_prompt=True)
+        except (TemplateError, ValueError) as error:  # e.g. the template refuses a role or the order of messages
+            raise APIError(400, f"the chat template refused the messages: {error}", "messages") from error
+        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the special tokens
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = max(service.context - len(prompt_ids), 0) if requested is None else requested
+        settings = service.settings(body, len(prompt_ids), max_tokens, "messages")
+        return await service.respond(request, body, prompt_ids, settings, chat=True, started=started)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [service.model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # model names may hold slashes: Qwen/Qwen2.5-0.5B-Instruct
+    async def get_model(model: str) -> dict:
+        if model != model_name:
+            raise APIError(404, f"the model `{model}` does not exist: this server serves `{model_name}`", "model",
+                           "model_not_found")
+        return service.model_card()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": model_name, "pending": service.slot.pending}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---- `specdec serve`
+
+def add_serve_parser(subparsers) -> None:
+    from specdec.cli import add_generation_args  # here, not at the top: cli imports this module
+
+    parser = subparsers.add_parser("serve", help="serve the models over an OpenAI-compatible HTTP API")
+    add_generation_args(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: %(default)s, this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on every route but /health "
+                             "(default: $SPECDEC_API_KEY, else no key)")
+    parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                        help="requests that may wait for the model; more get 503 (default: %(default)s)")
+    parser.add_argument("--model-name", default=None,
+                        help="the `model` clients send (default: the --target value)")
+    parser.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    from specdec.generator import SpeculativeGenerator
+
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    draft = None if args.draft == "none" else args.draft
+    generator = SpeculativeGenerator(args.target, draft, k=args.k)  # loaded once, shared by every request
+    app = create_app(generator, args.model_name or args.target, args.api_key, args.max_queue)
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port)
+    return 0
