@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 
 class FixedK:
     """The same k every cycle."""
@@ -16,6 +18,119 @@ class FixedK:
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
         """A cycle drafted n_drafted tokens in draft_s seconds and the target accepted n_accepted in verify_s."""
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a cycle of k draft tokens emits on average, the recovered or bonus token included, when each draft token
+    is accepted with probability `acceptance` independently (Leviathan et al. 2023, eq. 1): (1 - a^(k+1)) / (1 - a)."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def best_k(acceptance: float, draft_cost: float, verify_cost: Callable[[int], float], k_max: int) -> int:
+    """The k in 1..k_max with the most expected tokens per second: E(k) / (k * draft_cost + verify_cost(k + 1)).
+
+    draft_cost: seconds per draft token; verify_cost(width): seconds for a target pass over `width` tokens. With a
+    verify cost that does not grow with width this is Leviathan et al.'s speed-up (1 - a^(k+1)) / ((1 - a)(k c + 1)),
+    c = draft_cost / verify_cost. Ties go to the smaller k.
+    """
+    def rate(k: int) -> float:
+        return expected_tokens(acceptance, k) / (k * draft_cost + verify_cost(k + 1))
+    return max(range(1, k_max + 1), key=rate)
+
+
+class _VerifyCost:
+    """Seconds of one target pass as a line in its width w (draft tokens + 1): t(w) = t(1) + slope (w - 1).
+
+    An exponentially weighted least-squares fit. While the observed widths barely vary (a steady k) they say nothing
+    about the slope, so it is shrunk toward a prior relative slope: t(w) = t(1) (1 + prior_slope (w - 1)).
+    """
+
+    def __init__(self, decay: float, prior_slope: float, prior_weight: float = 4.0):
+        self.decay, self.prior_slope, self.prior_weight = decay, prior_slope, prior_weight
+        self.n = self.x = self.t = self.xx = self.xt = 0.0  # decayed sums of 1, x = w - 1, t, x^2, x t
+
+    def observe(self, width: int, seconds: float) -> None:
+        x, d = width - 1, self.decay
+        self.n, self.x, self.t = d * self.n + 1, d * self.x + x, d * self.t + seconds
+        self.xx, self.xt = d * self.xx + x * x, d * self.xt + x * seconds
+
+    @property
+    def observed(self) -> bool:
+        return self.n > 0
+
+    def __call__(self, width: int) -> float:
+        """Predicted seconds at this width; in units of one width-1 pass until something was observed."""
+        if not self.observed:
+            return 1.0 + self.prior_slope * (width - 1)
+        mean_x, mean_t = self.x / self.n, self.t / self.n
+        spread = self.xx - self.n * mean_x ** 2  # weighted sum of squared deviations of x
+        covariance = self.xt - self.n * mean_x * mean_t
+        prior = self.prior_slope * mean_t / (1.0 + self.prior_slope * mean_x)  # prior_slope * t(1), from the mean
+        # Posterior mean of the slope under a normal prior worth prior_weight units of squared width spread.
+        slope = max(0.0, (covariance + self.prior_weight * prior) / (spread + self.prior_weight))
+        base = max(mean_t - slope * mean_x, 1e-3 * mean_t)  # a cost is positive whatever the noise says
+        return base + slope * (width - 1)
+
+
+class AdaptiveK:
+    """Chooses k each cycle to maximise expected tokens per second from this request's own observations.
+
+    Acceptance a: exponentially weighted successes / trials, where a cycle's trials are its accepted draft tokens
+    plus the first rejected one (the tokens after it were never tested), plus a prior worth `prior_weight` trials.
+    Costs: seconds per draft token, and verify seconds as a function of width (_VerifyCost). A drafter with no model
+    (prompt lookup) costs ~0 per token, so only the acceptance and the verify width limit its k.
+    """
+
+    def __init__(self, k_max: int = 8,
+                 prior_acceptance: float = 0.6,  # cautious: Leviathan et al. 2023 measure 0.5-0.9 for same-family pairs
+                 prior_weight: float = 2.0,  # worth 2 trials: the first few cycles overrule it
+                 prior_draft_cost: float = 0.1,  # seconds per draft token / seconds per target step, until measured
+                 # Extra verify time per extra token, relative to a width-1 pass, until widths vary enough to fit it:
+                 # small where a pass is memory-bound (GPU). Far from it on 2 CPU cores, fp32: the 1.5B target took
+                 # 0.40 s at width 1, 0.80 s at 2, 1.0-1.2 s at 3-9 (measured), which the fit then learns.
+                 prior_verify_slope: float = 0.05,
+                 decay: float = 0.9):  # per cycle: estimates follow the last ~10 cycles, as content shifts a
+        if k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {k_max}")
+        if not 0.0 <= prior_acceptance <= 1.0 or prior_weight <= 0:
+            raise ValueError("prior_acceptance must be in [0, 1] and prior_weight > 0")
+        if prior_draft_cost < 0 or prior_verify_slope < 0 or not 0.0 < decay <= 1.0:
+            raise ValueError("prior costs must be >= 0 and decay in (0, 1]")
+        self.k_max, self.decay = k_max, decay
+        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
+        self.prior_draft_cost = prior_draft_cost
+        self.successes = self.trials = 0.0  # decayed accepted draft tokens / tested draft tokens
+        self.draft_s = self.drafted = 0.0  # decayed draft seconds / drafted tokens
+        self.cycles = 0
+        self.verify_cost = _VerifyCost(decay, prior_verify_slope)
+
+    @property
+    def acceptance(self) -> float:
+        return (self.successes + self.prior_weight * self.prior_acceptance) / (self.trials + self.prior_weight)
+
+    @property
+    def draft_cost(self) -> float:
+        """Seconds per draft token (relative units while nothing was timed, like verify_cost)."""
+        if self.drafted > 0:
+            return self.draft_s / self.drafted
+        return self.prior_draft_cost * self.verify_cost(1)
+
+    def next_k(self) -> int:
+        return best_k(self.acceptance, self.draft_cost, self.verify_cost, self.k_max)
+
+    def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
+        """A cycle drafted n_drafted tokens in draft_s seconds and the target accepted n_accepted in verify_s."""
+        d = self.decay
+        self.cycles += 1
+        if n_drafted > 0:
+            self.successes = d * self.successes + n_accepted
+            self.trials = d * self.trials + n_accepted + (n_accepted < n_drafted)
+        # The first cycle's draft time includes the drafter's prefill of the whole prompt: not a per-token cost.
+        if self.cycles > 1:
+            self.draft_s, self.drafted = d * self.draft_s + draft_s, d * self.drafted + n_drafted
+        self.verify_cost.observe(n_drafted + 1, verify_s)
 
 
 def make_k_policy(k: int | str):

@@ -42,11 +42,17 @@ def pair():
     return speculative, baseline
 
 
-def test_speculative_greedy_equals_target_only_on_human_eval(pair):
-    speculative, baseline = pair
-    for prompt in human_eval_prompts(3):
+@pytest.fixture(scope="module")
+def references(pair):
+    """Target-only greedy continuations of the HumanEval prompts, computed once for every test here."""
+    _, baseline = pair
+    return {prompt: baseline.generate(prompt, max_new_tokens=NEW_TOKENS) for prompt in human_eval_prompts(3)}
+
+
+def test_speculative_greedy_equals_target_only_on_human_eval(pair, references):
+    speculative, _ = pair
+    for prompt, ref in references.items():
         out = speculative.generate(prompt, max_new_tokens=NEW_TOKENS)
-        ref = baseline.generate(prompt, max_new_tokens=NEW_TOKENS)
         assert out.token_ids == ref.token_ids
         assert out.stats.acceptance_rate > 0.3  # a same-family draft on code: most tokens are accepted
         print(f"spec {out.stats.tokens_per_s:.2f} tok/s (accept {out.stats.acceptance_rate:.0%}, "
@@ -69,3 +75,27 @@ def test_shared_tokenizer_and_padded_output_layer(pair):
     assert speculative.vocab_size == len(speculative.tokenizer)
     assert speculative.target.get_output_embeddings().weight.shape[0] >= speculative.vocab_size
     assert speculative.draft is not speculative.target
+
+
+def other_drafters(speculative):
+    """Every other drafter over the already-loaded pair (the hybrid's draft model is the shared one)."""
+    from specdec.drafters import TargetInfo, model_drafter
+    from specdec.drafters.hybrid import HybridDrafter
+    from specdec.drafters.ngram import NgramDrafter
+
+    info = TargetInfo(speculative.target, speculative.tokenizer, speculative.vocab_size, speculative.target.dtype)
+    hybrid = HybridDrafter(NgramDrafter(), model_drafter(speculative.draft, info, speculative.tokenizer))
+    return {"ngram": ("ngram", 4), "self": ("self", 2), "hybrid": (hybrid, 4),
+            "auto": (model_drafter(speculative.draft, info, speculative.tokenizer), "auto")}
+
+
+@pytest.mark.parametrize("name", ["ngram", "self", "hybrid", "auto"])
+def test_every_drafter_keeps_greedy_output_identical(pair, references, name):
+    speculative, _ = pair
+    draft, k = other_drafters(speculative)[name]
+    gen = SpeculativeGenerator(speculative.target, draft, k=k, tokenizer=speculative.tokenizer)
+    for prompt, ref in list(references.items())[:2]:
+        out = gen.generate(prompt, max_new_tokens=24)
+        assert out.token_ids == ref.token_ids[:24], name
+        print(f"{name}: {out.stats.tokens_per_s:.2f} tok/s, acceptance {out.stats.acceptance_rate:.0%}, "
+              f"mean accepted length {out.stats.mean_accepted_length:.2f}")
