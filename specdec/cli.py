@@ -27,6 +27,15 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                                                   "(default: %(default)s)")
 
 
+def generator_from_args(args):
+    """The SpeculativeGenerator that the flags of add_generation_args describe (models loaded once, here)."""
+    from specdec.generator import SpeculativeGenerator
+
+    draft = None if args.draft == "none" else args.draft
+    return SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
+                                draft_quantization=args.quantize_draft)
+
+
 def add_generate_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text with speculative decoding")
     add_generation_args(parser)
@@ -47,9 +56,7 @@ def add_generate_parser(subparsers) -> None:
 def run_generate(args) -> int:
     from specdec.generator import SpeculativeGenerator
 
-    draft = None if args.draft == "none" else args.draft
-    gen = SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
-                               draft_quantization=args.quantize_draft)
+    gen = generator_from_args(args)
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
     out = gen.generate(args.prompt, **settings)
@@ -68,7 +75,7 @@ def run_generate(args) -> int:
     from specdec.display import print_marked, summary_line
 
     print_marked(gen.tokenizer, out.token_ids, out.from_draft)
-    print(summary_line(out.stats, draft is not None))
+    print(summary_line(out.stats, args.draft != "none"))
     if baseline is not None:
         same = "identical output" if baseline.token_ids == out.token_ids else "different samples"
         print(f"target-only: {baseline.stats.tokens_per_s:.2f} tokens/s -> speed-up "

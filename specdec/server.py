@@ -528,12 +528,11 @@ def add_serve_parser(subparsers) -> None:
 def run_serve(args) -> int:
     import uvicorn
 
-    from specdec.generator import SpeculativeGenerator
+    from specdec.cli import generator_from_args
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
-    draft = None if args.draft == "none" else args.draft
-    generator = SpeculativeGenerator(args.target, draft, k=args.k)  # loaded once, shared by every request
+    generator = generator_from_args(args)  # loaded once, shared by every request
     app = create_app(generator, args.model_name or args.target, args.api_key, args.max_queue)
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
