@@ -1,0 +1,13 @@
+"""`specdec bench`: real-prompt workloads, every method on the same loaded models, raw results as JSON, a report.
+
+workloads.py  prompts from pinned packages (HumanEval, XSum, ASDiv) or a JSONL file
+methods.py    ours (target-only, draft model, registered drafters) and transformers' peers, one `run` each
+costs.py      measured draft/verify costs and the speed-up they predict (Leviathan et al. 2023)
+runner.py     presets, the interleaved schedule, results saved after every prompt
+report.py     summary figures, Markdown and PNG plots, from the JSON alone
+command.py    the subcommand
+"""
+
+from specdec.bench.command import add_bench_parser
+
+__all__ = ["add_bench_parser"]

@@ -1,0 +1,253 @@
+"""`specdec bench`: load one target and one draft model, run every method on real prompts, save and report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+DEFAULT_OUT = "bench-results"
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    from specdec.cli import add_generation_args  # here: specdec.cli imports this module
+    from specdec.bench.runner import ALL_METHODS, PRESETS
+
+    parser = subparsers.add_parser(
+        "bench", help="benchmark speculative decoding against target-only and transformers' peers",
+        description="Run every method on the same real prompts (HumanEval, XSum, ASDiv) with one shared target and "
+                    "draft model; write results.json (raw measurements), report.md and PNG plots.")
+    add_generation_args(parser)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="quick",
+                        help="smoke: tiny models in CI; quick: ~15 min on 2 CPU cores; full (default: %(default)s)")
+    parser.add_argument("--prompts", metavar="FILE.jsonl",
+                        help='use these prompts (one {"prompt": ...} per line, optional "task") instead of the '
+                             "packaged workloads")
+    parser.add_argument("--tasks", help="comma-separated subset of the packaged workloads: code,summarisation,maths")
+    parser.add_argument("--methods", help=f"comma-separated methods at temperature 0 instead of the preset's, "
+                                          f"NAME[@K] (all: {','.join(ALL_METHODS)}); target-only always runs")
+    parser.add_argument("--sampled-methods", help="comma-separated methods at temperature 0.7 ('' for none)")
+    parser.add_argument("--prompts-per-task", type=int, help="override the preset")
+    parser.add_argument("--max-new-tokens", type=int, help="override the preset")
+    parser.add_argument("--max-prompt-tokens", type=int, help="override the preset")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of prompt 0; prompt i uses seed + i")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice). On a shared "
+                                                     "machine fewer threads than cores can be faster: a multi-token "
+                                                     "pass waits at each barrier for a thread that is not running")
+    parser.add_argument("--no-chat", action="store_true", help="feed prompts as plain text even if the target has "
+                                                               "a chat template")
+    parser.add_argument("--out", metavar="DIR", help=f"output directory (default: {DEFAULT_OUT}/; with --report: "
+                                                     "the directory of the JSON file)")
+    parser.add_argument("--report", metavar="RESULTS.json", help="only re-render the report from a saved results "
+                                                                 "file; loads no model")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.set_defaults(func=run_bench)
+    return parser
+
+
+def run_bench(args) -> int:
+    from specdec.bench import report
+
+    if args.report:
+        source = Path(args.report)
+        results = json.loads(source.read_text())
+        path = report.render(results, Path(args.out) if args.out else source.parent)
+        print(f"report: {path}")
+        return 0
+    return _run(args)
+
+
+def _split(text: str | None) -> tuple[str, ...] | None:
+    return None if text is None else tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def _preset(args):
+    """The named preset with the command line's overrides; target-only, the baseline, always runs first."""
+    from specdec.bench.runner import PRESETS
+
+    def with_baseline(methods: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if not methods:
+            return methods
+        return ("target-only",) + tuple(m for m in methods if m != "target-only")
+
+    overrides = {"prompts_per_task": args.prompts_per_task, "max_new_tokens": args.max_new_tokens,
+                 "max_prompt_tokens": args.max_prompt_tokens, "greedy": with_baseline(_split(args.methods)),
+                 "sampled": with_baseline(_split(args.sampled_methods)), "tasks": _split(args.tasks)}
+    return replace(PRESETS[args.preset], **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _candidates(args, preset):
+    """{task: (candidate prompts, prefer_long)}: checked before any model loads, so a missing package fails fast."""
+    from specdec.bench.workloads import TASKS, load_prompt_file
+
+    if args.prompts:
+        by_task = {}
+        for prompt in load_prompt_file(args.prompts):
+            by_task.setdefault(prompt.task, ([], False))[0].append(prompt)
+        return by_task
+    unknown = [task for task in preset.tasks if task not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(TASKS)}")
+    return {task: (list(TASKS[task].load()), TASKS[task].prefer_long) for task in preset.tasks}
+
+
+def _run(args) -> int:
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from specdec.bench.runner import RESULTS_FILE, SAMPLING_TEMPERATURE, new_results, peak_rss_mb, run_schedule, save
+
+    started = time.perf_counter()
+    preset = _preset(args)
+    out_dir = Path(args.out or DEFAULT_OUT)
+    path = out_dir / RESULTS_FILE
+    candidates = _candidates(args, preset)
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # before new_results, which records it
+    settings = {"target": args.target, "draft": args.draft, "dtype": "float32", "seed": args.seed,
+                "sampling_temperature": SAMPLING_TEMPERATURE, "default_k": args.k, "prompts_file": args.prompts}
+    results = new_results(preset, _command_line(args), settings)
+    hf_logging.set_verbosity_error()  # generate()'s per-call notices would bury the progress
+    previous_handler = _sigterm_interrupts()
+    try:
+        schedule = _prepare(args, preset, candidates, results)
+        save(results, path)
+        progress = "off" if args.no_progress else "bar" if sys.stderr.isatty() else "lines"
+        run_schedule(schedule, results, path, progress)
+        results["status"] = "complete"
+    except KeyboardInterrupt:
+        results["status"] = "interrupted"
+    except BaseException:
+        results["status"] = "failed"
+        raise
+    finally:
+        if previous_handler is not None:
+            signal.signal(signal.SIGTERM, previous_handler)
+        torch.set_num_threads(threads)
+        results["wall_s"] = time.perf_counter() - started
+        results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        results["machine"]["load_average_at_end"] = list(os.getloadavg())
+        results["memory"]["peak_rss_mb"] = peak_rss_mb()
+        save(results, path)
+    return _finish(results, out_dir, path)
+
+
+def _command_line(args) -> list[str]:
+    """The command with every setting spelled out, defaults included, so that the report shows how to rerun it."""
+    words = ["specdec", "bench", "--preset", args.preset]
+    for name in ("target", "draft", "k", "prompts", "tasks", "methods", "sampled_methods", "prompts_per_task",
+                 "max_new_tokens", "max_prompt_tokens", "seed", "threads", "out"):
+        value = getattr(args, name)
+        if value is not None:
+            words += [f"--{name.replace('_', '-')}", str(value)]
+    return words + (["--no-chat"] if args.no_chat else [])
+
+
+def _sigterm_interrupts():
+    """Make a `kill` of a background run keep what was measured, as Ctrl-C does; -> the previous handler (None when
+    not on the main thread, where handlers cannot be set)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, interrupt)
+
+
+def _prepare(args, preset, candidates, results: dict):
+    """Load the models, pick the prompts, build the methods, measure the costs, warm up; -> the Schedule."""
+    from specdec.bench.costs import VERIFY_WIDTHS, measure_costs
+    from specdec.bench.methods import build_methods
+    from specdec.bench.runner import SAMPLING_TEMPERATURE, Schedule, peak_rss_mb, warm_up
+    from specdec.generator import SpeculativeGenerator
+
+    print(f"loading {args.target} and {args.draft} ...", file=sys.stderr)
+    gen = SpeculativeGenerator(args.target, None if args.draft == "none" else args.draft, k=args.k)
+    results["memory"]["after_load_mb"] = peak_rss_mb()
+    results["models"] = {role: _model_info(model) for role, model in (("target", gen.target), ("draft", gen.draft))
+                         if model is not None}
+    chat = not args.no_chat and getattr(gen.tokenizer, "chat_template", None) is not None
+    results["settings"]["chat"] = chat
+    units = _units(gen, candidates, preset, chat)
+    if not units:
+        raise ValueError(f"no prompt fits in {preset.max_prompt_tokens} tokens: raise --max-prompt-tokens")
+    results["workloads"] = [{"index": u.index, "task": u.prompt.task, "source": u.prompt.source,
+                             "prompt_tokens": int(u.ids.shape[1]), "text": u.prompt.text} for u in units]
+    greedy, skipped = build_methods(preset.greedy, gen, args.k)
+    sampled, skipped_sampled = build_methods(preset.sampled, gen, args.k)
+    results["skipped"] = {**skipped, **skipped_sampled}
+    schedule = Schedule(units, [(0.0, greedy)] + ([(SAMPLING_TEMPERATURE, sampled)] if sampled else []),
+                        preset.max_new_tokens, args.seed)
+
+    print("measuring costs (draft step, verify-cost curve) ...", file=sys.stderr)
+    # The prediction for k draft tokens needs V(k+1): measure it besides the curve's widths.
+    widths = VERIFY_WIDTHS + tuple(m.k + 1 for _, methods in schedule.by_temperature for m in methods
+                                   if m.uses_draft_model and isinstance(m.k, int))
+    results["costs"] = measure_costs(gen.target, gen.draft, gen.vocab_size, _warm_context(units, gen, max(widths)),
+                                     widths, preset.cost_reps)
+    if preset.warmup:
+        warm_up(schedule, results["skipped"])
+    for spec, reason in results["skipped"].items():
+        print(f"skipping {spec}: {reason}", file=sys.stderr)
+    results["methods"] = {m.label: m.describe() for _, methods in schedule.by_temperature for m in methods}
+    return schedule
+
+
+def _finish(results: dict, out_dir: Path, path: Path) -> int:
+    from specdec.bench import report
+
+    markdown = report.render(results, out_dir)
+    if results["status"] == "interrupted":
+        done = results.get("progress", {})
+        print(f"\nspecdec bench: interrupted after {done.get('prompts_done', 0)} of {done.get('prompts_total', '?')} "
+              f"prompts; {len(results['records'])} finished runs kept in {path}, report in {markdown}",
+              file=sys.stderr)
+        return 130
+    print("\n".join(report.results_table(report.summarise(results), 0.0)))
+    print(f"\nresults: {path}\nreport:  {markdown} ({results['wall_s']:.0f} s)")
+    return 0
+
+
+def _model_info(model) -> dict:
+    return {"class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+            "layers": model.config.get_text_config().num_hidden_layers, "dtype": str(model.dtype)}
+
+
+def _units(gen, candidates, preset, chat: bool) -> list:
+    """Tokenise and pick each task's prompts, then interleave the tasks (code 0, summ. 0, maths 0, code 1, ...) so an
+    interrupted run still covers every task."""
+    from specdec.bench.runner import Unit
+    from specdec.bench.workloads import select
+
+    ids = {}
+
+    def n_tokens(prompt) -> int:
+        if prompt not in ids:
+            ids[prompt] = gen.encode(prompt.text, chat)
+        return ids[prompt].shape[1]
+
+    per_task = [select(iter(prompts), preset.prompts_per_task, n_tokens, preset.max_prompt_tokens, prefer_long)
+                for prompts, prefer_long in candidates.values()]
+    ordered = [p for round_ in range(preset.prompts_per_task) for task in per_task if round_ < len(task)
+               for p in [task[round_]]]
+    return [Unit(i, prompt, ids[prompt]) for i, prompt in enumerate(ordered)]
+
+
+def _warm_context(units, gen, widest: int):
+    """WARM_CONTEXT real prompt tokens (repeated if the prompts are short) for the timed passes to follow, within the
+    target's context."""
+    import torch
+
+    from specdec.bench.costs import WARM_CONTEXT
+    from specdec.runners import context_length
+
+    length = max(1, min(WARM_CONTEXT, context_length(gen.target.config) - widest - 1))
+    tokens = torch.cat([u.ids for u in units], dim=1)  # [1, total]
+    return tokens.repeat(1, -(-length // tokens.shape[1]))[:, :length]

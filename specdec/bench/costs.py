@@ -1,0 +1,94 @@
+"""Measured costs (draft step, target verify pass by width) and the speed-up they predict (Leviathan et al. 2023).
+
+Prediction for a draft model with k draft tokens per cycle, per-token acceptance a, cost ratio c and verify curve V:
+
+    expected tokens per cycle  E = (1 - a^(k+1)) / (1 - a)                       (Leviathan et al. 2023, eq. 1)
+    predicted speed-up         S = E / (k c + V(k+1) / V(1))
+
+c = one draft step / one target step (both over one new token after a warm cache); V(w) = seconds of one target
+pass over w new tokens. Leviathan et al.'s theorem 3.8, E / (k c + 1), assumes a pass over k+1 tokens costs what a
+pass over one does; on a CPU it does not, so the measured V(k+1) / V(1) replaces the 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from specdec.adaptive import expected_tokens
+from specdec.metrics import SpecStats
+from specdec.runners import TorchRunner
+
+VERIFY_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per target pass on the verify-cost curve
+WARM_CONTEXT = 200  # tokens in the cache before each timed pass: a typical prompt, not an empty cache
+
+
+def predicted_speedup(acceptance: float, k: int, c: float, verify_ratio: float) -> float:
+    """E / (k c + V(k+1)/V(1)); see the module docstring."""
+    if not 0.0 <= acceptance <= 1.0 or k < 1 or c < 0 or verify_ratio <= 0:
+        raise ValueError(f"need 0 <= a <= 1, k >= 1, c >= 0, V ratio > 0; got a={acceptance}, k={k}, c={c}, "
+                         f"V ratio={verify_ratio}")
+    return expected_tokens(acceptance, k) / (k * c + verify_ratio)
+
+
+def per_token_acceptance(stats: SpecStats) -> float | None:
+    """a of the i.i.d. model: accepted draft tokens / tested ones, None if nothing was drafted.
+
+    A cycle tests its draft tokens up to and including the first rejected one; those after it are never tested, so
+    accepted / drafted (SpecStats.acceptance_rate) underestimates a for k > 1. Tested tokens at position i > 0 are
+    the cycles that accepted position i-1 and drafted position i: exact when every cycle drafts the same k (the
+    last cycle of a generation may draft fewer, which counts at most one extra test per generation).
+    """
+    drafted, accepted = stats.drafted_by_position, stats.accepted_by_position
+    if not drafted or drafted[0] == 0:
+        return None
+    tested = drafted[0] + sum(min(accepted[i - 1], drafted[i]) for i in range(1, len(drafted)))
+    return sum(accepted) / tested
+
+
+def _pass_s(runner: TorchRunner, new_ids: torch.Tensor, last_only: bool) -> float:
+    """Seconds of one forward over new_ids [1, w] on the warm cache, which is then rolled back to where it was."""
+    length = runner.length
+    started = time.perf_counter()
+    try:
+        runner.forward(new_ids, last_only=last_only)
+    finally:
+        runner.rollback(length)
+    return time.perf_counter() - started
+
+
+def measure_costs(target, draft, vocab_size: int, context: torch.Tensor, widths=VERIFY_WIDTHS,
+                  reps: int = 5) -> dict:
+    """Time target passes over each width and one draft step (draft may be None), each after the same warm cache of
+    context [1, n] tokens. Reps go round the widths in turn, so machine drift spreads over all of them."""
+    widths = sorted(set(widths) | {1})
+    new_ids = context[:, : max(widths)].flip(1)  # [1, max width]: any in-vocabulary tokens will do
+    target_runner = TorchRunner(target, vocab_size)
+    target_runner.forward(context, last_only=True)
+    draft_runner = None
+    if draft is not None:
+        draft_runner = TorchRunner(draft, vocab_size)
+        draft_runner.forward(context, last_only=True)
+    target_s = {w: [] for w in widths}
+    draft_s = []
+    for _ in range(reps):
+        for w in widths:
+            # The engine's verify pass reads logits at every position: last_only=False, as there.
+            target_s[w].append(_pass_s(target_runner, new_ids[:, :w], last_only=False))
+        if draft_runner is not None:
+            # A draft step feeds one token and reads the last logits, as ModelDrafter does.
+            draft_s.append(_pass_s(draft_runner, new_ids[:, :1], last_only=True))
+    target_median = {w: statistics.median(samples) for w, samples in target_s.items()}
+    costs = {
+        "context_tokens": int(context.shape[1]),
+        "reps": reps,
+        "target_pass_s": {str(w): samples for w, samples in target_s.items()},
+        "target_pass_median_s": {str(w): s for w, s in target_median.items()},
+        "verify_ratio": {str(w): s / target_median[1] for w, s in target_median.items()},
+        "draft_step_s": draft_s,
+        "draft_step_median_s": statistics.median(draft_s) if draft_s else None,
+    }
+    costs["c"] = costs["draft_step_median_s"] / target_median[1] if draft_s else None
+    return costs

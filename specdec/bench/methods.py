@@ -1,0 +1,159 @@
+"""The methods a benchmark compares, every one on the same loaded target and draft model (shared, never copied).
+
+ours:          target-only (no drafter: the baseline), the draft model at a fixed k or k="auto", and each drafter in
+               specdec.drafters.DRAFTERS (ngram, hybrid, self:N, ...), through the same SpeculativeGenerator users run
+transformers:  assisted generation with the draft model, prompt lookup, and plain `generate` as a sanity baseline
+
+A method is written NAME[@K]: "target-only", "draft@4", "draft@auto", "ngram@4", "self:7@4", "hf-assisted".
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from specdec import adaptive
+from specdec.drafters import DRAFTERS, TargetInfo, model_drafter
+from specdec.generator import SpeculativeGenerator
+from specdec.metrics import SpecStats
+
+
+class MethodUnavailable(Exception):
+    """A method that cannot run in this build or with these models; the benchmark skips it and says why."""
+
+
+@dataclass
+class Output:
+    token_ids: list[int]  # new tokens only, cut before the first end-of-sequence token
+    stats: SpecStats | None = None  # ours only: the engine's own counts and timings
+
+
+class Method:
+    label: str  # in the report, e.g. "draft@4", "self:7@4"
+    spec: str = ""  # as written in the preset or on the command line, e.g. "self@4"
+    family: str  # "ours" or "transformers"
+    k: int | str | None = None  # draft tokens per cycle (ours with a drafter)
+    uses_draft_model: bool = False  # drafts with the draft model, so the cost-based prediction applies
+
+    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int | None) -> Output:
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"spec": self.spec, "family": self.family, "k": self.k, "uses_draft_model": self.uses_draft_model}
+
+
+class Ours(Method):
+    family = "ours"
+
+    def __init__(self, label: str, generator: SpeculativeGenerator, k: int | str | None, uses_draft_model: bool):
+        self.label, self.generator, self.k, self.uses_draft_model = label, generator, k, uses_draft_model
+
+    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Output:
+        out = self.generator.generate(prompt_ids, max_new_tokens, temperature, seed=seed, k=self.k)
+        return Output(out.token_ids, out.stats)
+
+
+class Transformers(Method):
+    """`target.generate(...)`, greedy or sampled like ours (no top-k / top-p), with our end-of-sequence ids."""
+
+    family = "transformers"
+
+    def __init__(self, label: str, target, eos_ids: frozenset[int], **generate_kwargs):
+        self.label, self.target, self.generate_kwargs = label, target, generate_kwargs
+        self.eos_ids = sorted(eos_ids)
+        self.assistant = generate_kwargs.get("assistant_model")
+
+    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Output:
+        if temperature > 0:
+            torch.manual_seed(seed)  # transformers samples from the global generator
+            sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)  # top_k=0: off (default 50)
+        else:
+            sampling = dict(do_sample=False, temperature=None, top_k=None, top_p=None)
+        eos = dict(eos_token_id=self.eos_ids or None, pad_token_id=self.eos_ids[0] if self.eos_ids else None)
+        # Assisted generation writes its tuned schedule back into the assistant's generation_config; restoring it
+        # keeps every prompt's run independent of the previous one.
+        saved = copy.deepcopy(self.assistant.generation_config) if self.assistant is not None else None
+        try:
+            with torch.inference_mode():
+                sequences = self.target.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids),
+                                                 max_new_tokens=max_new_tokens, **sampling, **eos,
+                                                 **self.generate_kwargs)
+        finally:
+            if saved is not None:
+                self.assistant.generation_config = saved
+        new = sequences[0, prompt_ids.shape[1]:].tolist()
+        end = next((i for i, token in enumerate(new) if token in self.eos_ids), len(new))
+        return Output(new[:end])
+
+
+PEERS = ("hf-generate", "hf-assisted", "hf-lookup")
+LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens, the value transformers' docs suggest
+
+
+def build_methods(specs, gen: SpeculativeGenerator, default_k: int | str = 4) -> tuple[list[Method], dict[str, str]]:
+    """-> (methods in the given order, {spec: why it was skipped}). Models come from gen and are shared."""
+    methods, skipped = [], {}
+    for spec in dict.fromkeys(specs):
+        try:
+            method = build_method(spec, gen, default_k)
+        except MethodUnavailable as reason:
+            skipped[spec] = str(reason)
+            continue
+        method.spec = spec
+        methods.append(method)
+    return methods, skipped
+
+
+def build_method(spec: str, gen: SpeculativeGenerator, default_k: int | str = 4) -> Method:
+    name, _, k_text = spec.partition("@")
+    if name == "target-only":
+        return Ours(spec, SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer), None, False)
+    if name in PEERS:
+        return _peer(name, gen)
+    k = _parse_k(k_text or str(default_k))
+    if name == "draft":
+        if gen.draft is None and gen.drafter.name == "none":
+            raise MethodUnavailable("no draft given (--draft none)")
+        return Ours(f"draft@{k}", gen, k, gen.draft is not None)
+    drafter_name, _, arg = name.partition(":")
+    if drafter_name not in DRAFTERS:
+        raise MethodUnavailable(f"no drafter {drafter_name!r} in specdec.drafters.DRAFTERS "
+                                f"(registered: {', '.join(sorted(DRAFTERS))})")
+    try:
+        drafter = _shared_hybrid(gen) if drafter_name == "hybrid" and not arg else name
+        other = SpeculativeGenerator(gen.target, drafter, tokenizer=gen.tokenizer)
+    except ValueError as error:
+        raise MethodUnavailable(str(error)) from None
+    # Without an argument the drafter's own name says what the default became: "self" -> "self:7".
+    return Ours(f"{name if arg else other.drafter.name}@{k}", other, k, False)
+
+
+def _parse_k(text: str) -> int | str:
+    try:
+        adaptive.make_k_policy(text)
+    except (NameError, AttributeError):  # k="auto" named before its policy exists in this build
+        raise MethodUnavailable(f"k={text!r} is not available in this build") from None
+    return text if text == "auto" else int(text)
+
+
+def _peer(name: str, gen: SpeculativeGenerator) -> Transformers:
+    if name == "hf-generate":
+        return Transformers(name, gen.target, gen.eos_ids)
+    if name == "hf-lookup":
+        return Transformers(name, gen.target, gen.eos_ids, prompt_lookup_num_tokens=LOOKUP_TOKENS)
+    if gen.draft is None:
+        raise MethodUnavailable("assisted generation needs a draft model (--draft is not a model)")
+    return Transformers(name, gen.target, gen.eos_ids, assistant_model=gen.draft)
+
+
+def _shared_hybrid(gen: SpeculativeGenerator):
+    """Prompt lookup, else gen's draft model. The registered "hybrid" factory would load a second draft model."""
+    from specdec.drafters.hybrid import HybridDrafter
+    from specdec.drafters.ngram import NgramDrafter
+
+    if gen.draft is None:
+        raise MethodUnavailable("hybrid needs a draft model to fall back on (--draft is not a model)")
+    info = TargetInfo(gen.target, gen.tokenizer, gen.vocab_size, gen.target.dtype)
+    return HybridDrafter(NgramDrafter(), model_drafter(gen.draft, info, gen.tokenizer))

