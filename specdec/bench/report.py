@@ -254,6 +254,7 @@ def plot(results: dict, rows: list[dict], out_dir: Path) -> dict[str, str]:
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     written = {}
     compared = [r for r in rows if r["method"] != "target-only" and r["speedup_median"] is not None]
@@ -283,6 +284,7 @@ def plot(results: dict, rows: list[dict], out_dir: Path) -> dict[str, str]:
             for r in (r for r in positional if r["temperature"] == temperature):
                 positions = range(1, len(r["acceptance_by_position"]) + 1)
                 ax.plot(positions, r["acceptance_by_position"], marker="o", label=r["method"])
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.set_xlabel("draft position")
             ax.set_ylabel("P(draft tokens 1..i accepted)")
             ax.set_ylim(0, 1.02)
