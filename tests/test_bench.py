@@ -9,7 +9,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from specdec.bench import report, runner
 from specdec.bench.costs import per_token_acceptance, predicted_speedup
@@ -17,37 +16,23 @@ from specdec.bench.workloads import TASKS, WorkloadMissing, load_prompt_file, pa
 from specdec.cli import main
 from specdec.metrics import SpecStats
 
-from conftest import char_tokenizer, tiny_model
+from conftest import save_tiny_pair
 
 PNGS = ["speedup.png", "acceptance_by_position.png", "predicted_vs_measured.png", "verify_cost.png"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model's forward is microseconds of work; on a busy 2-core machine handing it between two threads costs
-    50x that (measured), so one thread keeps these tests at seconds."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def bench_inputs(tmp_path_factory):
     """(target dir, draft dir, a 2-prompt JSONL file): a tiny random target and a slightly perturbed copy as draft."""
     root = tmp_path_factory.mktemp("bench")
-    target = tiny_model("qwen2", seed=0, vocab_size=60).to(torch.float32)
-    draft = tiny_model("qwen2", seed=0, vocab_size=60).to(torch.float32)
-    with torch.no_grad():
-        for parameter in draft.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.01)
-    for name, model in (("target", target), ("draft", draft)):
-        model.save_pretrained(root / name)
-        char_tokenizer().save_pretrained(root / name)
+    target, draft = save_tiny_pair(root, "qwen2")
     prompts = root / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"}) + "\n"
                        + json.dumps({"prompt": "the cat sat on the mat. the cat", "task": "prose"}) + "\n")
-    return root / "target", root / "draft", prompts
+    return target, draft, prompts
 
 
 def bench(inputs, out, *extra) -> int:

@@ -7,26 +7,16 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from specdec import SpeculativeGenerator
 from specdec.cli import main
 
-from conftest import char_tokenizer, tiny_model
+from conftest import save_tiny_pair
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    target = tiny_model("llama", seed=0, vocab_size=60).to(torch.float32)
-    draft = tiny_model("llama", seed=0, vocab_size=60).to(torch.float32)
-    with torch.no_grad():
-        for parameter in draft.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.01)
-    for name, model in (("target", target), ("draft", draft)):
-        model.save_pretrained(root / name)
-        char_tokenizer().save_pretrained(root / name)
-    return root / "target", root / "draft"
+    return save_tiny_pair(tmp_path_factory.mktemp("models"), "llama")
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:

@@ -25,7 +25,8 @@ import test_statistical
 from conftest import ToyRunner, char_tokenizer, tiny_model
 from test_engine import reference_greedy
 from test_statistical import chi_square_p_value, sample_sequences, target_distribution
-from test_statistical import one_thread  # noqa: F401  (autouse: one intra-op thread, as tiny tensors run faster)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 GREEDY = SamplingConfig()
 PROMPTS = [[5], [1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 9, 10, 11, 9, 9, 9], [3, 8, 1, 3, 8, 2, 3, 8, 1, 3]]

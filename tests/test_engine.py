@@ -12,7 +12,7 @@ from specdec.metrics import SpecStats
 from specdec.runners import TorchRunner
 from specdec.sampling import SamplingConfig, make_generator
 
-from conftest import tiny_model
+from conftest import close_draft, tiny_model
 
 GREEDY = SamplingConfig()
 PROMPTS = [[5], [1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 9, 10, 11, 9, 9, 9]]
@@ -46,17 +46,7 @@ def draft_with(model):
 def models(request):
     target = tiny_model(request.param, seed=0)
     return {"target": target, "self": target, "random": tiny_model(request.param, seed=1),
-            "close": _perturbed(target)}
-
-
-def _perturbed(model):
-    """A draft that agrees with the target most of the time: the target with a little noise on its weights."""
-    torch.manual_seed(7)
-    close = tiny_model(model.config.model_type, seed=0)
-    with torch.no_grad():
-        for parameter in close.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.01)
-    return close
+            "close": close_draft(target)}
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])

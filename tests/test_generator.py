@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specdec import SpeculativeGenerator
 from specdec.models import IncompatibleVocabulary
 from specdec.runners import RollbackUnsupported
 
-from conftest import char_tokenizer, tiny_model
+from conftest import char_tokenizer, close_draft, tiny_model
 
 VOCAB = 60  # the character tokenizer's size
 
@@ -18,11 +17,7 @@ VOCAB = 60  # the character tokenizer's size
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_model("qwen2", seed=0, vocab_size=VOCAB)
-    draft = tiny_model("qwen2", seed=0, vocab_size=VOCAB)
-    with torch.no_grad():
-        for parameter in draft.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.01)
-    return target, draft
+    return target, close_draft(target)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +125,7 @@ def test_tokenizer_mismatch_names_the_first_differing_token(pair, tokenizer):
     other = char_tokenizer()
     vocab = dict(tokenizer.get_vocab())
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
-    from tokenizers import Tokenizer, models
+    from tokenizers import models
     other.backend_tokenizer.model = models.WordLevel(vocab, unk_token="<eos>")
     with pytest.raises(IncompatibleVocabulary, match="first difference at id 1: target 'a' vs draft 'b'"):
         SpeculativeGenerator(pair[0], pair[1], tokenizer=tokenizer, draft_tokenizer=other)

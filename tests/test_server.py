@@ -13,14 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import SpeculativeGenerator, server
 from specdec.server import create_app
 
-from conftest import char_tokenizer, tiny_model
+from conftest import char_tokenizer, close_draft, tiny_model
 
 MODEL = "tiny-qwen2"
 KEY = "sekrit"
@@ -30,10 +29,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% 
 @pytest.fixture(scope="module")
 def generator():
     target = tiny_model("qwen2", seed=0, vocab_size=60)
-    draft = tiny_model("qwen2", seed=0, vocab_size=60)
-    with torch.no_grad():
-        for parameter in draft.parameters():
-            parameter.add_(torch.randn_like(parameter) * 0.01)
+    draft = close_draft(target)
     tokenizer = char_tokenizer()  # a fresh instance: the chat template is set on this copy only
     tokenizer.chat_template = CHAT_TEMPLATE
     return SpeculativeGenerator(target, draft, k=3, tokenizer=tokenizer, draft_tokenizer=tokenizer)

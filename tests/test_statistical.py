@@ -25,13 +25,7 @@ VOCAB, PROMPT, DRAWS = 6, [1, 4, 2], 20_000
 ALPHA = 1e-3  # the test fails when the chi-square p-value falls below this
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tensors of 6 numbers: a second intra-op thread only adds synchronisation (2 us vs 100 us per softmax)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class RepeatDrafter(Drafter):
