@@ -112,6 +112,7 @@ def _run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)  # before new_results, which records it
     settings = {"target": args.target, "draft": args.draft, "dtype": "float32", "seed": args.seed,
+                "quantize_draft": args.quantize_draft, "quantize_target": args.quantize_target,
                 "sampling_temperature": SAMPLING_TEMPERATURE, "default_k": args.k, "prompts_file": args.prompts}
     results = new_results(preset, _command_line(args), settings)
     hf_logging.set_verbosity_error()  # generate()'s per-call notices would bury the progress
@@ -166,10 +167,10 @@ def _prepare(args, preset, candidates, results: dict):
     from specdec.bench.costs import VERIFY_WIDTHS, measure_costs
     from specdec.bench.methods import build_methods
     from specdec.bench.runner import SAMPLING_TEMPERATURE, Schedule, peak_rss_mb, warm_up
-    from specdec.generator import SpeculativeGenerator
+    from specdec.cli import generator_from_args
 
     print(f"loading {args.target} and {args.draft} ...", file=sys.stderr)
-    gen = SpeculativeGenerator(args.target, None if args.draft == "none" else args.draft, k=args.k)
+    gen = generator_from_args(args)
     results["memory"]["after_load_mb"] = peak_rss_mb()
     results["models"] = {role: _model_info(model) for role, model in (("target", gen.target), ("draft", gen.draft))
                          if model is not None}
