@@ -133,15 +133,15 @@ class _Detokenizer:
         """-> (text safe to emit now, how many of tokens to keep: fewer than all when a stop string was reached)."""
         if self.tokenizer is None:
             return "", len(tokens)
-        if self.stop and self._stop_at(tokens) is not None:
+        text = self._decode(tokens)
+        if self._stop_in(text) is not None:
             # Keep the fewest tokens that complete the stop string; nothing from it onwards is sent.
-            kept = next(n for n in range(1, len(tokens) + 1) if self._stop_at(tokens[:n]) is not None)
-            end = self._stop_at(tokens[:kept])
+            kept = next(n for n in range(1, len(tokens) + 1) if self._stop_in(self._decode(tokens[:n])) is not None)
+            text = self._decode(tokens[:kept])
             self.ids += tokens[:kept]
-            delta, self.sent = self._decode()[self.sent:end], len(self._decode())
+            delta, self.sent = text[self.sent:self._stop_in(text)], len(text)
             return delta, kept
         self.ids += tokens
-        text = self._decode()
         safe = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character waits for its remaining tokens
         for s in self.stop:  # hold back a tail that may grow into a stop string
             for n in range(min(len(s) - 1, safe - self.sent), 0, -1):
@@ -154,9 +154,8 @@ class _Detokenizer:
     def _decode(self, extra: list[int] = ()) -> str:
         return self.tokenizer.decode(self.ids + list(extra), skip_special_tokens=True)
 
-    def _stop_at(self, extra: list[int]) -> int | None:
-        """Where the first stop string starts in the text with `extra` tokens appended, or None."""
-        text = self._decode(extra)
+    def _stop_in(self, text: str) -> int | None:
+        """Where the first stop string starts in text (searching only what was not sent yet), or None."""
         hits = [i for i in (text.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
