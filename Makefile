@@ -7,9 +7,18 @@ BIN := $(VENV)/bin
 MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 DEMO_PROMPT := Write a Python function that returns the n-th Fibonacci number, with a docstring and type hints.
 
-.PHONY: setup models demo test test-fast bench clean
+# llama-cpp-python compiles llama.cpp for this CPU (about 10 minutes on 2 cores). The wheel is built once per CPU
+# feature set into WHEELS and installed from there afterwards (seconds); pip's own cache is bypassed, as it would hand
+# back a wheel built for another CPU.
+LLAMA_CPP := llama-cpp-python==0.3.36
+CPU_KEY := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
+WHEELS ?= $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/wheels/$(CPU_KEY)
+LLAMA_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
+	-DLLAVA_BUILD=OFF
 
-setup: $(VENV)/.installed
+.PHONY: setup models demo test test-fast bench clean llama-cpp-wheel
+
+setup: $(VENV)/.installed $(VENV)/.llama-cpp
 
 $(VENV)/.installed: requirements.txt requirements-data.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +26,20 @@ $(VENV)/.installed: requirements.txt requirements-data.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-data.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+llama-cpp-wheel:
+	@if ! ls $(WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then \
+		echo "building $(LLAMA_CPP) for this CPU (about 10 minutes on 2 cores, once) into $(WHEELS)"; \
+		rm -rf $(WHEELS).partial && mkdir -p $(WHEELS).partial && \
+		CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip wheel --quiet \
+			--no-cache-dir --no-deps $(LLAMA_CPP) -w $(WHEELS).partial && \
+		mkdir -p $(WHEELS) && mv $(WHEELS).partial/*.whl $(WHEELS)/ && rm -rf $(WHEELS).partial; \
+	fi
+
+$(VENV)/.llama-cpp: $(VENV)/.installed
+	$(MAKE) llama-cpp-wheel
+	$(BIN)/python -m pip install --quiet --no-deps --no-index --find-links $(WHEELS) $(LLAMA_CPP)
 	touch $@
 
 models: setup

@@ -28,8 +28,11 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
-def best_k(acceptance: float, draft_cost: float, verify_cost: Callable[[int], float], k_max: int) -> int:
-    """The k in 1..k_max with the most expected tokens per second: E(k) / (k * draft_cost + verify_cost(k + 1)).
+def best_k(acceptance: float, draft_cost: float, verify_cost: Callable[[int], float], k_max: int,
+           k_min: int = 1) -> int:
+    """The k in k_min..k_max with the most expected tokens per second: E(k) / (k * draft_cost + verify_cost(k + 1)).
+
+    k = 0 is plain decoding (E = 1 token per verify_cost(1)): the best choice when drafting costs more than it saves.
 
     draft_cost: seconds per draft token; verify_cost(width): seconds for a target pass over `width` tokens. With a
     verify cost that does not grow with width this is Leviathan et al.'s speed-up (1 - a^(k+1)) / ((1 - a)(k c + 1)),
@@ -37,7 +40,7 @@ def best_k(acceptance: float, draft_cost: float, verify_cost: Callable[[int], fl
     """
     def rate(k: int) -> float:
         return expected_tokens(acceptance, k) / (k * draft_cost + verify_cost(k + 1))
-    return max(range(1, k_max + 1), key=rate)
+    return max(range(k_min, k_max + 1), key=rate)
 
 
 class _VerifyCost:
@@ -81,6 +84,10 @@ class AdaptiveK:
     plus the first rejected one (the tokens after it were never tested), plus a prior worth `prior_weight` trials.
     Costs: seconds per draft token, and verify seconds as a function of width (_VerifyCost). A drafter with no model
     (prompt lookup) costs ~0 per token, so only the acceptance and the verify width limit its k.
+
+    When no k pays (a verify pass over two tokens costs more than the tokens it is expected to yield, as on a small
+    CPU) it chooses k = 0, plain decoding, but drafts one token now and then to see whether that has changed: after
+    `probe_every` plain cycles, an interval that doubles (up to 8x) while the probes keep saying k = 0.
     """
 
     def __init__(self, k_max: int = 8,
@@ -91,13 +98,19 @@ class AdaptiveK:
                  # small where a pass is memory-bound (GPU). Far from it on 2 CPU cores, fp32: the 1.5B target took
                  # 0.40 s at width 1, 0.80 s at 2, 1.0-1.2 s at 3-9 (measured), which the fit then learns.
                  prior_verify_slope: float = 0.05,
-                 decay: float = 0.9):  # per cycle: estimates follow the last ~10 cycles, as content shifts a
+                 decay: float = 0.9,  # per cycle: estimates follow the last ~10 cycles, as content shifts a
+                 probe_every: int = 8):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
         if not 0.0 <= prior_acceptance <= 1.0 or prior_weight <= 0:
             raise ValueError("prior_acceptance must be in [0, 1] and prior_weight > 0")
         if prior_draft_cost < 0 or prior_verify_slope < 0 or not 0.0 < decay <= 1.0:
             raise ValueError("prior costs must be >= 0 and decay in (0, 1]")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.probe_every = self.probe_interval = probe_every
+        self.plain_cycles = 0  # consecutive cycles with k = 0
+        self.speculative_cycles = 0
         self.k_max, self.decay = k_max, decay
         self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
         self.prior_draft_cost = prior_draft_cost
@@ -118,7 +131,19 @@ class AdaptiveK:
         return self.prior_draft_cost * self.verify_cost(1)
 
     def next_k(self) -> int:
-        return best_k(self.acceptance, self.draft_cost, self.verify_cost, self.k_max)
+        k = best_k(self.acceptance, self.draft_cost, self.verify_cost, self.k_max, k_min=0)
+        if k > 0:
+            self.plain_cycles, self.probe_interval = 0, self.probe_every
+            self.speculative_cycles += 1
+            if self.speculative_cycles % (2 * self.probe_every) == 0:
+                return 0  # a plain pass now and then: widths that vary let the fit learn what width costs
+            return k
+        self.plain_cycles += 1
+        if self.plain_cycles <= self.probe_interval:
+            return 0
+        self.plain_cycles = 0
+        self.probe_interval = min(2 * self.probe_interval, 8 * self.probe_every)
+        return 1
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None:
         """A cycle drafted n_drafted tokens in draft_s seconds and the target accepted n_accepted in verify_s."""

@@ -8,6 +8,7 @@ import sys
 
 from specdec import bench
 from specdec import registry, server
+from specdec.models import RUNTIMES, pick_runtime
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
@@ -19,12 +20,20 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=registry.DEFAULT_DRAFT,
                         help="draft model (like --target), a drafter name, or 'none' for target-only decoding "
                              "(default: %(default)s)")
+    parser.add_argument("--runtime", choices=["auto", *RUNTIMES], default="auto",
+                        help="llama.cpp: GGUF weights on llama.cpp's CPU kernels; torch: transformers; auto "
+                             "(default): llama.cpp for registry models and .gguf files when it is installed")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads per model (default: every core this process may use). On a shared "
+                             "machine fewer threads than cores can be faster: a multi-token pass waits at each "
+                             "barrier for a thread that is not running")
     # int8 drafts measured 1.21x over target-only at k=4 with the default pair, fp32 drafts 0.95x (BENCHMARKS.md).
-    parser.add_argument("--quantize-draft", choices=["int8", "none"], default="int8",
-                        help="weights of a draft model: int8 (default: cheaper drafts, output unchanged) or none (as "
-                             "loaded)")
+    parser.add_argument("--quantize-draft", choices=["auto", "int8", "none"], default="auto",
+                        help="torch runtime: weights of a draft model, int8 (cheaper drafts, output unchanged) or "
+                             "none (as loaded); auto (default): int8 on torch, the GGUF's own on llama.cpp")
     parser.add_argument("--quantize-target", choices=["int8"], default=None,
-                        help="int8 weights for the target: faster, but output is then the quantized target's")
+                        help="torch runtime: int8 weights for the target: faster, but output is then the quantized "
+                             "target's")
     parser.add_argument("--k", default="4", help="draft tokens per cycle, or 'auto' to adapt it per request "
                                                   "(default: %(default)s)")
 
@@ -33,9 +42,14 @@ def generator_from_args(args):
     """The SpeculativeGenerator that the flags of add_generation_args describe (models loaded once, here)."""
     from specdec.generator import SpeculativeGenerator
 
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    runtime = pick_runtime(args.runtime, args.target)
+    draft_quantization = {"auto": "int8" if runtime == "torch" else None, "none": None}.get(args.quantize_draft,
+                                                                                          args.quantize_draft)
     draft = None if args.draft == "none" else args.draft
     return SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
-                                draft_quantization=None if args.quantize_draft == "none" else args.quantize_draft)
+                                draft_quantization=draft_quantization, runtime=runtime, threads=args.threads)
 
 
 def add_generate_parser(subparsers) -> None:
@@ -64,7 +78,8 @@ def run_generate(args) -> int:
     out = gen.generate(args.prompt, **settings)
     baseline = None
     if args.compare:
-        baseline = SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer).generate(args.prompt, **settings)
+        baseline = SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer,
+                                        runtime=gen.runtime).generate(args.prompt, **settings)
     if args.json:
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                   "stats": out.stats.to_dict()}

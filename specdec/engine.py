@@ -35,7 +35,8 @@ def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tenso
     k chooses the number of draft tokens each cycle (specdec.adaptive: FixedK, AdaptiveK).
 
     The target's cache always holds every committed token but the newest one; each cycle feeds that token plus the
-    draft, so one target pass yields p at the k draft positions and at the bonus position.
+    draft, so one target pass yields p at the k draft positions and at the bonus position. A runner whose logits
+    depend on the width of a pass sets max_verify_width, and no cycle drafts beyond it.
     """
     stats = stats if stats is not None else SpecStats()
     started = time.perf_counter()
@@ -46,6 +47,7 @@ def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tenso
         stats.target_calls += 1
     stats.prefill_s = time.perf_counter() - started
     emitted = 0
+    widest = getattr(target, "max_verify_width", None) or max_new_tokens + 1
     while emitted < max_new_tokens:
         room = target.max_length - context.shape[1]  # positions left in the target's context
         if room <= 0:
@@ -54,7 +56,7 @@ def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tenso
         budget = min(max_new_tokens - emitted, room)
         tick = time.perf_counter()
         # Drafting beyond budget - 1 tokens is wasted: the cycle emits n_accepted + 1 tokens.
-        proposal = drafter.propose(context, min(k.next_k(), budget - 1), sampling, generator)
+        proposal = drafter.propose(context, min(k.next_k(), budget - 1, widest - 1), sampling, generator)
         draft = proposal.tokens  # [1, n_draft]
         tock = time.perf_counter()
         logits = target.forward(torch.cat([context[:, -1:], draft], dim=1))  # [1, n_draft + 1, vocab]

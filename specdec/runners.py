@@ -15,6 +15,9 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 class Runner(Protocol):
     vocab_size: int  # logits are cut to this many tokens (the vocabulary shared by target and drafter)
     max_length: int  # the model's context length
+    # Optional: the widest pass whose logits equal one-token passes bit for bit (runtimes whose kernels depend on the
+    # pass width); the engine never verifies more tokens at once. Absent: no limit.
+    max_verify_width: int | None
 
     @property
     def length(self) -> int:
@@ -40,14 +43,23 @@ def check_rollback_supported(model) -> None:
     """Refuse up front a model whose KV cache cannot be cut back to an arbitrary length.
 
     Sliding-window and linear-attention layers drop or fold past states; rolling them back needs states they no
-    longer hold, so speculation over them would silently corrupt the context.
+    longer hold, so speculation over them would silently corrupt the context. (Models of other runtimes are checked
+    when they load.)
     """
+    if getattr(model, "runtime", "torch") != "torch":
+        return
     cache = DynamicCache(config=model.config)
     unsupported = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
     if unsupported:
         raise RollbackUnsupported(
             f"{type(model).__name__} uses cache layers that cannot be rolled back ({', '.join(unsupported)}); "
             "speculative decoding needs a model with full attention in every layer.")
+
+
+def new_runner(model, vocab_size: int) -> Runner:
+    """A fresh sequence (empty cache) on a loaded model of any runtime."""
+    make = getattr(model, "new_runner", None)  # runtimes other than torch build their own runners
+    return make(vocab_size) if make is not None else TorchRunner(model, vocab_size)
 
 
 class TorchRunner:

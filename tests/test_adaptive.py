@@ -71,9 +71,27 @@ def test_adaptive_k_rises_when_everything_is_accepted():
     assert chosen[-1] == 8 and chosen[-1] > chosen[0]
 
 
-def test_adaptive_k_falls_to_one_when_nothing_is_accepted():
-    chosen = run_cycles(AdaptiveK(), accept=lambda k: 0, draft_s_per_token=0.02)
-    assert chosen[-5:] == [1] * 5
+def test_adaptive_k_falls_to_plain_decoding_when_nothing_is_accepted_and_probes_ever_less_often():
+    chosen = run_cycles(AdaptiveK(probe_every=4), accept=lambda k: 0, draft_s_per_token=0.02, cycles=80)
+    assert set(chosen[10:]) == {0, 1}
+    probes = [i for i, k in enumerate(chosen) if i >= 10 and k == 1]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] == 8 * 4 + 1  # the interval doubles up to 8x probe_every
+
+
+def test_best_k_is_zero_where_a_wider_verify_costs_more_than_it_yields():
+    """Measured on 2 CPU cores with llama.cpp: a pass over 2 tokens costs 1.8 one-token passes, a draft step 0.5."""
+    def cpu(width):
+        return 1.0 + 0.8 * (width - 1)
+
+    assert best_k(0.8, 0.5, cpu, 8, k_min=0) == 0
+    assert best_k(0.8, 0.5, cpu, 8) == 1  # without the option, k >= 1 as before
+    assert best_k(0.95, 0.0, flat(), 8, k_min=0) == 8  # a free, accurate drafter on a flat verify
+
+
+def test_adaptive_k_chooses_plain_decoding_where_speculation_cannot_pay():
+    chosen = run_cycles(AdaptiveK(), accept=lambda k: k, draft_s_per_token=0.05, verify_slope=0.9, cycles=60)
+    assert chosen[-20:].count(0) >= 15
 
 
 def test_adaptive_k_expensive_draft_gets_a_smaller_k_than_a_free_one():

@@ -1,4 +1,4 @@
-"""The default pair (Qwen2.5-Coder 1.5B target, 0.5B draft) on real HumanEval prompts.
+"""The default pair (Qwen2.5-Coder 1.5B target, 0.5B draft) on real HumanEval prompts, on the torch runtime.
 
 Each model is loaded once for the whole module and shared by every generator (never two fp32 copies of the target).
 """
@@ -37,7 +37,7 @@ def pair():
         if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
             pytest.fail(message)
         pytest.skip(message)
-    speculative = SpeculativeGenerator(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, k=4)
+    speculative = SpeculativeGenerator(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, k=4, runtime="torch")
     baseline = SpeculativeGenerator(speculative.target, None, tokenizer=speculative.tokenizer)
     return speculative, baseline
 

@@ -37,9 +37,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, help="override the preset")
     parser.add_argument("--max-prompt-tokens", type=int, help="override the preset")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of prompt 0; prompt i uses seed + i")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice). On a shared "
-                                                     "machine fewer threads than cores can be faster: a multi-token "
-                                                     "pass waits at each barrier for a thread that is not running")
     parser.add_argument("--no-chat", action="store_true", help="feed prompts as plain text even if the target has "
                                                                "a chat template")
     parser.add_argument("--out", metavar="DIR", help=f"output directory (default: {DEFAULT_OUT}/; with --report: "
@@ -111,7 +108,8 @@ def _run(args) -> int:
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)  # before new_results, which records it
-    settings = {"target": args.target, "draft": args.draft, "dtype": "float32", "seed": args.seed,
+    settings = {"target": args.target, "draft": args.draft, "runtime": args.runtime, "threads": args.threads,
+                "dtype": "float32", "seed": args.seed,
                 "quantize_draft": args.quantize_draft, "quantize_target": args.quantize_target,
                 "sampling_temperature": SAMPLING_TEMPERATURE, "default_k": args.k, "prompts_file": args.prompts}
     results = new_results(preset, _command_line(args), settings)
@@ -144,7 +142,7 @@ def _command_line(args) -> list[str]:
     """The command with every setting spelled out, defaults included, so that the report shows how to rerun it."""
     words = ["specdec", "bench", "--preset", args.preset]
     for name in ("target", "draft", "k", "prompts", "tasks", "methods", "sampled_methods", "prompts_per_task",
-                 "max_new_tokens", "max_prompt_tokens", "seed", "threads", "out"):
+                 "max_new_tokens", "max_prompt_tokens", "seed", "runtime", "threads", "out"):
         value = getattr(args, name)
         if value is not None:
             words += [f"--{name.replace('_', '-')}", str(value)]
@@ -171,6 +169,9 @@ def _prepare(args, preset, candidates, results: dict):
 
     print(f"loading {args.target} and {args.draft} ...", file=sys.stderr)
     gen = generator_from_args(args)
+    results["settings"]["runtime"] = gen.runtime
+    if gen.runtime != "torch":
+        results["machine"]["compute_threads"] = gen.target.threads  # what the CPU share is measured against
     results["memory"]["after_load_mb"] = peak_rss_mb()
     results["models"] = {role: _model_info(model) for role, model in (("target", gen.target), ("draft", gen.draft))
                          if model is not None}
@@ -217,6 +218,9 @@ def _finish(results: dict, out_dir: Path, path: Path) -> int:
 
 
 def _model_info(model) -> dict:
+    if getattr(model, "runtime", "torch") != "torch":
+        return {"class": type(model).__name__, "file": str(model.path), "file_bytes": model.path.stat().st_size,
+                "threads": model.threads}
     return {"class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
             "layers": model.config.get_text_config().num_hidden_layers, "dtype": str(model.dtype)}
 
@@ -247,8 +251,8 @@ def _warm_context(units, gen, widest: int):
     import torch
 
     from specdec.bench.costs import WARM_CONTEXT
-    from specdec.runners import context_length
+    from specdec.runners import new_runner
 
-    length = max(1, min(WARM_CONTEXT, context_length(gen.target.config) - widest - 1))
+    length = max(1, min(WARM_CONTEXT, new_runner(gen.target, gen.vocab_size).max_length - widest - 1))
     tokens = torch.cat([u.ids for u in units], dim=1)  # [1, total]
     return tokens.repeat(1, -(-length // tokens.shape[1]))[:, :length]

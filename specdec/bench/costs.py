@@ -19,7 +19,7 @@ import torch
 
 from specdec.adaptive import expected_tokens
 from specdec.metrics import SpecStats
-from specdec.runners import TorchRunner
+from specdec.runners import Runner, new_runner
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per target pass on the verify-cost curve
 WARM_CONTEXT = 200  # tokens in the cache before each timed pass: a typical prompt, not an empty cache
@@ -48,7 +48,7 @@ def per_token_acceptance(stats: SpecStats) -> float | None:
     return sum(accepted) / tested
 
 
-def _pass_s(runner: TorchRunner, new_ids: torch.Tensor, last_only: bool) -> float:
+def _pass_s(runner: Runner, new_ids: torch.Tensor, last_only: bool) -> float:
     """Seconds of one forward over new_ids [1, w] on the warm cache, which is then rolled back to where it was."""
     length = runner.length
     started = time.perf_counter()
@@ -65,11 +65,11 @@ def measure_costs(target, draft, vocab_size: int, context: torch.Tensor, widths=
     context [1, n] tokens. Reps go round the widths in turn, so machine drift spreads over all of them."""
     widths = sorted(set(widths) | {1})
     new_ids = context[:, : max(widths)].flip(1)  # [1, max width]: any in-vocabulary tokens will do
-    target_runner = TorchRunner(target, vocab_size)
+    target_runner = new_runner(target, vocab_size)
     target_runner.forward(context, last_only=True)
     draft_runner = None
     if draft is not None:
-        draft_runner = TorchRunner(draft, vocab_size)
+        draft_runner = new_runner(draft, vocab_size)
         draft_runner.forward(context, last_only=True)
     target_s = {w: [] for w in widths}
     draft_s = []

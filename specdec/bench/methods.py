@@ -3,8 +3,12 @@
 ours:          target-only (no drafter: the baseline), the draft model at a fixed k or k="auto", and each drafter in
                specdec.drafters.DRAFTERS (ngram, hybrid, self:N, ...), through the same SpeculativeGenerator users run
 transformers:  assisted generation with the draft model, prompt lookup, and plain `generate` as a sanity baseline
+               (torch runtime)
+llama-cpp-python: its own generation loop and its own prompt-lookup speculation on the same GGUF file (llama.cpp
+               runtime)
 
-A method is written NAME[@K]: "target-only", "draft@4", "draft@auto", "ngram@4", "self:7@4", "hf-assisted".
+A method is written NAME[@K]: "target-only", "draft@4", "draft@auto", "ngram@4", "self:7@4", "hf-assisted",
+"llama-lookup". A peer that does not run on the benchmark's runtime is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -88,7 +92,47 @@ class Transformers(Method):
         return Output(new[:end])
 
 
-PEERS = ("hf-generate", "hf-assisted", "hf-lookup")
+class LlamaCppPython(Method):
+    """llama-cpp-python's own `Llama.generate` loop, greedy, optionally with its prompt-lookup speculation.
+
+    It loads the same GGUF file again (memory-mapped, so the weights are shared through the page cache) with its
+    own context, sized for the longest prompt plus max_new_tokens at the first run.
+    """
+
+    family = "llama-cpp-python"
+
+    def __init__(self, label: str, model, eos_ids: frozenset[int], lookup_tokens: int | None = None):
+        self.label, self.model, self.eos_ids, self.lookup_tokens = label, model, eos_ids, lookup_tokens
+        self.llama = None
+
+    def _load(self, n_ctx: int):
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=self.lookup_tokens) if self.lookup_tokens else None
+        # Its speculation reads the logits of every position, so it keeps them all (n_ctx x vocab floats).
+        self.llama = llama_cpp.Llama(str(self.model.path), n_ctx=n_ctx, n_threads=self.model.threads,
+                                     n_threads_batch=self.model.threads, n_batch=512, n_gpu_layers=0,
+                                     draft_model=draft, logits_all=draft is not None, verbose=False)
+
+    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Output:
+        if temperature > 0:
+            raise ValueError("the llama-cpp-python peers run greedy only")
+        needed = prompt_ids.shape[1] + max_new_tokens + (self.lookup_tokens or 0) + 1
+        if self.llama is None or self.llama.n_ctx() < needed:
+            self._load(max(needed, 1024))
+        new = []
+        for token in self.llama.generate(prompt_ids[0].tolist(), temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                         repeat_penalty=1.0, reset=True):
+            if token in self.eos_ids:
+                break
+            new.append(token)
+            if len(new) >= max_new_tokens:
+                break
+        return Output(new)
+
+
+PEERS = ("hf-generate", "hf-assisted", "hf-lookup", "llama-generate", "llama-lookup")
 LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens, the value transformers' docs suggest
 
 
@@ -109,7 +153,7 @@ def build_methods(specs, gen: SpeculativeGenerator, default_k: int | str = 4) ->
 def build_method(spec: str, gen: SpeculativeGenerator, default_k: int | str = 4) -> Method:
     name, _, k_text = spec.partition("@")
     if name == "target-only":
-        return Ours(spec, SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer), None, False)
+        return Ours(spec, _sibling(gen, None), None, False)
     if name in PEERS:
         return _peer(name, gen)
     k = _parse_k(k_text or str(default_k))
@@ -123,7 +167,7 @@ def build_method(spec: str, gen: SpeculativeGenerator, default_k: int | str = 4)
                                 f"(registered: {', '.join(sorted(DRAFTERS))})")
     try:
         drafter = _shared_hybrid(gen) if drafter_name == "hybrid" and not arg else name
-        other = SpeculativeGenerator(gen.target, drafter, tokenizer=gen.tokenizer)
+        other = _sibling(gen, drafter)
     except ValueError as error:
         raise MethodUnavailable(str(error)) from None
     # Without an argument the drafter's own name says what the default became: "self" -> "self:7".
@@ -138,7 +182,18 @@ def _parse_k(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-def _peer(name: str, gen: SpeculativeGenerator) -> Transformers:
+def _sibling(gen: SpeculativeGenerator, drafter) -> SpeculativeGenerator:
+    """Another generator on gen's loaded target (shared, never copied) and runtime."""
+    return SpeculativeGenerator(gen.target, drafter, tokenizer=gen.tokenizer, runtime=gen.runtime)
+
+
+def _peer(name: str, gen: SpeculativeGenerator) -> Method:
+    if name.startswith("llama-"):
+        if gen.runtime != "llama.cpp":
+            raise MethodUnavailable("llama-cpp-python's peers run on the llama.cpp runtime (--runtime llama.cpp)")
+        return LlamaCppPython(name, gen.target, gen.eos_ids, LOOKUP_TOKENS if name == "llama-lookup" else None)
+    if gen.runtime != "torch":
+        raise MethodUnavailable("transformers' generate runs on the torch runtime (--runtime torch)")
     if name == "hf-generate":
         return Transformers(name, gen.target, gen.eos_ids)
     if name == "hf-lookup":
@@ -155,5 +210,5 @@ def _shared_hybrid(gen: SpeculativeGenerator):
 
     if gen.draft is None:
         raise MethodUnavailable("hybrid needs a draft model to fall back on (--draft is not a model)")
-    info = TargetInfo(gen.target, gen.tokenizer, gen.vocab_size, gen.target.dtype)
+    info = TargetInfo(gen.target, gen.tokenizer, gen.vocab_size, torch.float32, runtime=gen.runtime)
     return HybridDrafter(NgramDrafter(), model_drafter(gen.draft, info, gen.tokenizer))

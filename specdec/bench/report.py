@@ -71,7 +71,7 @@ def _row(key, runs: list[dict], baseline: dict, results: dict) -> dict:
     row = {"temperature": temperature, "task": task, "method": method, "family": info.get("family"),
            "k": info.get("k"), "prompts": len(runs), "new_tokens": sum(r["new_tokens"] for r in runs),
            "tokens_per_s": _rate(runs, lambda r: r["wall_s"]),
-           "cpu_share": _cpu_share(runs, results.get("machine", {}).get("torch_threads")),
+           "cpu_share": _cpu_share(runs, _compute_threads(results)),
            "speedup_median": statistics.median(ratios) if ratios else None,
            "speedup_pooled": _ratio(_rate([r for r, _ in paired], lambda r: r["wall_s"]),
                                     _rate([b for _, b in paired], lambda r: r["wall_s"])) if paired else None,
@@ -92,6 +92,11 @@ def _row(key, runs: list[dict], baseline: dict, results: dict) -> dict:
                                            _rate([b for _, b in decode_pairs], _decode_s))
     row.update(_prediction(row, info, results.get("costs")))
     return row
+
+
+def _compute_threads(results: dict) -> int | None:
+    machine = results.get("machine", {})
+    return machine.get("compute_threads") or machine.get("torch_threads")
 
 
 def _cpu_share(runs: list[dict], threads: int | None) -> float | None:

@@ -9,8 +9,8 @@ import torch
 
 from specdec.drafters.base import Drafter, NoDrafter, Proposal
 from specdec.drafters.model import ModelDrafter
-from specdec.models import load_causal_lm, shared_vocab_size
-from specdec.runners import TorchRunner, check_rollback_supported
+from specdec.models import load_model, shared_vocab_size
+from specdec.runners import check_rollback_supported, new_runner
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,14 @@ class TargetInfo:
     vocab_size: int
     dtype: torch.dtype
     draft_quantization: str | None = None  # applied to a draft model that a drafter loads (see models.QUANTIZATIONS)
+    runtime: str = "torch"  # a draft model loads on the target's runtime ("torch" or "llama.cpp")
+    threads: int | None = None
+
+    def load_draft(self, spec, tokenizer=None):
+        """A draft model given like the target (path, .gguf, registry name) -> (model, tokenizer), on this runtime."""
+        return load_model(spec, tokenizer, runtime=self.runtime, dtype=self.dtype,
+                          quantization=self.draft_quantization,
+                          threads=self.threads)
 
 
 # name -> factory(target, argument after the colon or None) -> (drafter, draft model or None)
@@ -43,7 +51,7 @@ def model_drafter(draft_model, target: TargetInfo, draft_tokenizer=None) -> Mode
     """A draft model behind the drafter protocol, checked against the target's vocabulary and rollback support."""
     check_rollback_supported(draft_model)
     vocab_size = shared_vocab_size(target.model, target.tokenizer, draft_model, draft_tokenizer)
-    return ModelDrafter(lambda: TorchRunner(draft_model, vocab_size))
+    return ModelDrafter(lambda: new_runner(draft_model, vocab_size))
 
 
 def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Drafter, object]:
@@ -56,7 +64,7 @@ def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Draft
         name, _, arg = spec.partition(":")
         if name in DRAFTERS:
             return DRAFTERS[name](target, arg or None)
-    draft_model, draft_tokenizer = load_causal_lm(spec, draft_tokenizer, target.dtype, target.draft_quantization)
+    draft_model, draft_tokenizer = target.load_draft(spec, draft_tokenizer)
     return model_drafter(draft_model, target, draft_tokenizer), draft_model
 
 

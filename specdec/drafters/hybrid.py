@@ -10,7 +10,6 @@ from __future__ import annotations
 from specdec.drafters import TargetInfo, model_drafter, register
 from specdec.drafters.base import Drafter, Proposal
 from specdec.drafters.ngram import NgramDrafter
-from specdec.models import load_causal_lm
 from specdec.registry import DEFAULT_DRAFT
 
 
@@ -45,5 +44,5 @@ class HybridDrafter(Drafter):
 @register("hybrid")
 def _hybrid(target: TargetInfo, arg: str | None):
     """`hybrid` (prompt lookup, else the default draft model) or `hybrid:DRAFT` (a draft model given like --draft)."""
-    draft_model, draft_tokenizer = load_causal_lm(arg or DEFAULT_DRAFT, None, target.dtype, target.draft_quantization)
+    draft_model, draft_tokenizer = target.load_draft(arg or DEFAULT_DRAFT)
     return HybridDrafter(NgramDrafter(), model_drafter(draft_model, target, draft_tokenizer)), draft_model

