@@ -158,10 +158,11 @@ class AdaptiveK:
         self.verify_cost.observe(n_drafted + 1, verify_s)
 
 
-def make_k_policy(k: int | str):
-    """An int -> FixedK; "auto" -> a fresh AdaptiveK (one per request: its estimates are the request's own)."""
+def make_k_policy(k: int | str, **priors):
+    """An int -> FixedK; "auto" -> a fresh AdaptiveK (one per request: its estimates are the request's own), with
+    priors (AdaptiveK's prior_* arguments, e.g. costs measured when the models loaded)."""
     if k == "auto":
-        return AdaptiveK()
+        return AdaptiveK(**priors)
     if isinstance(k, str):
         if not k.isdigit():
             raise ValueError(f"k must be a positive integer or 'auto', got {k!r}")

@@ -93,7 +93,7 @@ class SpeculativeGenerator:
         sampling = SamplingConfig(temperature, top_k, top_p)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        k_policy = make_k_policy(self.k if k is None else k)
+        k_policy = make_k_policy(self.k if k is None else k, **self._k_priors())
         prompt_ids = self.encode(prompt, chat)
         runner = new_runner(self.target, self.vocab_size)
         if prompt_ids.shape[1] >= runner.max_length:
@@ -114,6 +114,16 @@ class SpeculativeGenerator:
                 return
             yield Chunk(delta, tokens, n_from_draft)
         yield Chunk(text.flush(), [], 0, "length", stats)
+
+    def _k_priors(self) -> dict:
+        """Costs that a runtime measured when it loaded the models: a better start for k="auto" than the defaults,
+        which assume a verify pass that barely grows with its width."""
+        priors = {}
+        if hasattr(self.target, "verify_slope"):
+            priors["prior_verify_slope"] = self.target.verify_slope
+            if hasattr(self.draft, "step_s"):
+                priors["prior_draft_cost"] = self.draft.step_s / self.target.step_s
+        return priors
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),

@@ -120,7 +120,15 @@ class LlamaCppModel:
         self.max_length = lib.llama_model_n_ctx_train(self._model)
         self.eos_ids = frozenset(i for i in range(self.n_vocab) if lib.llama_vocab_is_eog(self._vocab, i))
         self._context: _Context | None = None
-        self._exact_width: int | None = None
+        self._calibration: dict | None = None
+
+    @property
+    def calibration(self) -> dict:
+        """{"exact_width": w, "pass_s": {width: seconds}}, measured once per model file, llama.cpp build and CPU,
+        then read from the cache (see calibrate)."""
+        if self._calibration is None:
+            self._calibration = _cached_calibration(self)
+        return self._calibration
 
     @property
     def exact_width(self) -> int:
@@ -128,11 +136,20 @@ class LlamaCppModel:
 
         llama.cpp picks kernels by the number of tokens in a pass, and they round differently; a verify pass wider
         than this could flip a near-tie that plain decoding would not, so the engine drafts at most this - 1 tokens.
-        Measured once per model file, llama.cpp build and CPU, then read from the cache.
         """
-        if self._exact_width is None:
-            self._exact_width = _calibrated_exact_width(self)
-        return self._exact_width
+        return self.calibration["exact_width"]
+
+    @property
+    def verify_slope(self) -> float:
+        """Extra seconds per extra token of a pass, relative to a one-token pass (0: flat, 1: linear)."""
+        pass_s = {int(w): s for w, s in self.calibration["pass_s"].items()}
+        slopes = sorted((s / pass_s[1] - 1) / (w - 1) for w, s in pass_s.items() if w > 1)
+        return max(0.0, slopes[len(slopes) // 2]) if slopes else 0.0
+
+    @property
+    def step_s(self) -> float:
+        """Seconds of one one-token pass (at the calibration's short context)."""
+        return self.calibration["pass_s"]["1"]
 
     def new_runner(self, vocab_size: int) -> LlamaCppRunner:
         return LlamaCppRunner(self, vocab_size)
@@ -166,7 +183,7 @@ CALIBRATION_WIDTHS = range(2, 9)  # verify widths checked: up to 7 draft tokens
 CALIBRATION_PREFIX = 16  # tokens in the cache before the checked passes
 
 
-def _calibrated_exact_width(model: LlamaCppModel) -> int:
+def _cached_calibration(model: LlamaCppModel) -> dict:
     import hashlib
     import json
     from importlib.metadata import version
@@ -177,36 +194,49 @@ def _calibrated_exact_width(model: LlamaCppModel) -> int:
     cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "") if os.path.exists(
         "/proc/cpuinfo") else os.uname().machine
     key = hashlib.sha256(f"{model.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('llama_cpp_python')}|"
-                         f"{cpu}".encode()).hexdigest()[:24]
+                         f"{cpu}|{model.threads}".encode()).hexdigest()[:24]
     path = registry.cache_root() / "calibration" / f"{model.path.stem}-{key}.json"
     try:
-        return int(json.loads(path.read_text())["exact_width"])
-    except (OSError, ValueError, KeyError):
+        found = json.loads(path.read_text())
+        if {"exact_width", "pass_s"} <= set(found):
+            return {"exact_width": found["exact_width"], "pass_s": found["pass_s"]}
+    except (OSError, ValueError):
         pass
-    width = measure_exact_width(model)
+    found = calibrate(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps({"model": str(model.path), "exact_width": width}) + "\n")
+    partial.write_text(json.dumps({"model": str(model.path), "threads": model.threads, **found}) + "\n")
     partial.replace(path)
-    return width
+    return found
 
 
-def measure_exact_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS) -> int:
-    """The largest w such that every pass of 2..w tokens gives the logits of one-token passes (1 if none does)."""
+def calibrate(model: LlamaCppModel, widths=CALIBRATION_WIDTHS) -> dict:
+    """Evaluate the same tokens one at a time and in passes of 2..8 tokens ->
+    {"exact_width": the largest w such that every pass of 2..w tokens gives the one-token logits bit for bit (1 if
+    none does), "pass_s": {width: seconds of that pass}} (a prior for k="auto"; about 2 s on the 1.5B)."""
+    import statistics
+    import time
+
     vocab = model.n_vocab
     tokens = torch.arange(CALIBRATION_PREFIX + max(widths))[None] * 7919 % vocab  # any in-vocabulary tokens
     runner = LlamaCppRunner(model, vocab, max_verify_width=1)
     runner.forward(tokens[:, :CALIBRATION_PREFIX], last_only=True)
-    single = torch.cat([runner.forward(tokens[:, i:i + 1])[0] for i in range(CALIBRATION_PREFIX, tokens.shape[1])])
-    exact = 1
+    single, single_s = [], []
+    for i in range(CALIBRATION_PREFIX, tokens.shape[1]):
+        started = time.perf_counter()
+        single.append(runner.forward(tokens[:, i:i + 1])[0])
+        single_s.append(time.perf_counter() - started)
+    single = torch.cat(single)
+    exact, pass_s = 1, {"1": statistics.median(single_s)}
     for width in widths:
         runner.rollback(CALIBRATION_PREFIX)
-        if not torch.equal(runner.forward(tokens[:, CALIBRATION_PREFIX:CALIBRATION_PREFIX + width])[0],
-                           single[:width]):
-            break
-        exact = width
+        started = time.perf_counter()
+        logits = runner.forward(tokens[:, CALIBRATION_PREFIX:CALIBRATION_PREFIX + width])[0]
+        pass_s[str(width)] = time.perf_counter() - started
+        if exact == width - 1 and torch.equal(logits, single[:width]):
+            exact = width
     runner.rollback(0)
-    return exact
+    return {"exact_width": exact, "pass_s": pass_s}
 
 
 def _free(lib, model, context_box) -> None:

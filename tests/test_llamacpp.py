@@ -87,21 +87,52 @@ def test_rollback_then_the_same_tokens_give_the_same_logits(model):
     assert torch.equal(runner.forward(ids[:, -4:]), first)
 
 
-def test_logits_of_a_run_equal_one_token_at_a_time(model):
-    """The numerics the engine's exactness rests on: a verify pass over k+1 tokens must give each position the logits
-    that one-token decoding gives it, or greedy speculation could flip a near-tie that target-only would not."""
+def test_logits_of_a_run_equal_one_token_at_a_time_up_to_the_calibrated_width(model):
+    """The numerics the engine's exactness rests on: a verify pass over up to exact_width tokens gives each position
+    the logits that one-token decoding gives it, so greedy speculation cannot flip a near-tie that target-only would
+    not. Checked on real text, at a longer context than the calibration's."""
     target, tokenizer = model
-    ids = ids_of(tokenizer, PROMPTS[1])
-    prefix, n = ids.shape[1] - 9, 9
-    for width in (2, 3, 4, 5, 8, 9):
-        run = target.new_runner(len(tokenizer))
-        run.forward(ids[:, :prefix])
+    widest = target.exact_width
+    assert 3 <= widest <= 8  # measured 8 for SmolLM2-135M Q4_1 on the 2-core AVX2 CPU
+    ids = ids_of(tokenizer, " ".join(PROMPTS * 3))
+    prefix = ids.shape[1] - widest
+    one = target.new_runner(len(tokenizer))
+    one.forward(ids[:, :prefix])
+    single = torch.stack([one.forward(ids[:, i:i + 1])[0, 0] for i in range(prefix, ids.shape[1])])
+    run = target.new_runner(len(tokenizer))
+    run.forward(ids[:, :prefix])
+    for width in range(2, widest + 1):
         batched = run.forward(ids[:, prefix:prefix + width])[0]
-        one = target.new_runner(len(tokenizer))
-        one.forward(ids[:, :prefix])
-        single = torch.stack([one.forward(ids[:, i:i + 1])[0, 0] for i in range(prefix, prefix + width)])
-        assert torch.equal(batched, single), f"width {width}: max |diff| {(batched - single).abs().max():.3g}"
-    assert n == 9
+        run.rollback(prefix)
+        assert torch.equal(batched, single[:width]), f"width {width}: max |diff| {(batched - single[:width]).abs().max():.3g}"
+
+
+def test_calibration_is_cached_and_gives_priors_for_auto_k(model, gguf_path):
+    from specdec import llamacpp
+
+    target, tokenizer = model
+    fresh = llamacpp.LlamaCppModel(gguf_path, threads=1)
+    assert fresh.calibration == target.calibration  # read back from the cache, not measured again
+    assert fresh.step_s > 0 and fresh.verify_slope >= 0
+    gen = SpeculativeGenerator(target, gguf_path, k="auto", tokenizer=tokenizer)
+    priors = gen._k_priors()
+    assert priors["prior_verify_slope"] == target.verify_slope and priors["prior_draft_cost"] > 0
+
+
+def test_the_engine_never_verifies_more_tokens_than_the_exact_width(model, gguf_path, monkeypatch):
+    target, tokenizer = model
+    monkeypatch.setattr(target, "_calibration", {**target.calibration, "exact_width": 3})
+    widths = []
+    original = type(target.new_runner(len(tokenizer))).forward
+
+    def spy(runner, input_ids, last_only=False):
+        if runner.model is target and not last_only:
+            widths.append(input_ids.shape[1])
+        return original(runner, input_ids, last_only)
+
+    monkeypatch.setattr(type(target.new_runner(len(tokenizer))), "forward", spy)
+    out = SpeculativeGenerator(target, gguf_path, k=6, tokenizer=tokenizer).generate(PROMPTS[0], max_new_tokens=12)
+    assert widths and max(widths) == 3 and out.stats.mean_accepted_length > 1
 
 
 def test_context_grows_without_changing_the_sequence(model, monkeypatch):
@@ -180,3 +211,37 @@ def test_bad_inputs_say_what_to_do(model, tmp_path):
         SpeculativeGenerator(target, None, tokenizer=tokenizer, target_quantization="int8")
     with pytest.raises(ValueError, match="context length"):
         target.new_runner(len(tokenizer)).forward(torch.zeros(1, target.max_length + 1, dtype=torch.long))
+
+
+def test_bench_smoke_on_llama_cpp_runs_ours_and_llama_cpp_pythons_own_loops(gguf_path, tmp_path):
+    import json
+
+    from specdec.bench import runner
+    from specdec.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
+    assert main(["bench", "--preset", "smoke", "--runtime", "llama.cpp", "--threads", "1", "--target", gguf_path,
+                 "--draft", gguf_path, "--prompts", str(prompts), "--out", str(tmp_path), "--no-progress"]) == 0
+    results = json.loads((tmp_path / runner.RESULTS_FILE).read_text())
+    assert results["settings"]["runtime"] == "llama.cpp" and results["machine"]["compute_threads"] == 1
+    assert {"llama-generate", "llama-lookup", "draft@2", "hybrid@auto"} <= set(results["methods"])
+    assert "transformers" in results["skipped"]["hf-assisted"] and "not supported" in results["skipped"]["self@4"]
+    greedy = {r["method"]: r for r in results["records"] if r["temperature"] == 0}
+    assert all(r["identical"] for m, r in greedy.items() if m != "target-only"), greedy
+    assert greedy["llama-generate"]["new_tokens"] == greedy["target-only"]["new_tokens"] > 0
+    assert set(results["costs"]["verify_ratio"]) >= {"1", "2", "4"}
+
+
+def test_cli_generate_on_llama_cpp_compares_with_target_only(gguf_path, capsys):
+    import json
+
+    from specdec.cli import main
+
+    assert main(["generate", "--runtime", "llama.cpp", "--threads", "1", "--target", gguf_path, "--draft", "ngram",
+                 "--prompt", PROMPTS[1], "--max-new-tokens", "12", "--json", "--compare"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["baseline"]["identical"] is True and len(record["token_ids"]) > 0
+    assert main(["generate", "--runtime", "llama.cpp", "--target", gguf_path, "--quantize-draft", "int8",
+                 "--draft", gguf_path, "--max-new-tokens", "4"]) == 2
+    assert "own quantized weights" in capsys.readouterr().err

@@ -26,8 +26,8 @@ SCHEMA = "specdec-bench/1"
 SAMPLING_TEMPERATURE = 0.7
 RESULTS_FILE = "results.json"
 
-ALL_METHODS = ("target-only", "draft@2", "draft@4", "draft@auto", "ngram@4", "hybrid@4", "self@4",
-               "hf-assisted", "hf-lookup", "hf-generate")
+ALL_METHODS = ("target-only", "draft@2", "draft@4", "draft@auto", "ngram@4", "ngram@auto", "hybrid@4", "hybrid@auto",
+               "self@4", "hf-assisted", "hf-lookup", "hf-generate", "llama-generate", "llama-lookup")
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,13 @@ PRESETS = {
     # CI: tiny models, seconds. Every method, both temperatures.
     "smoke": Preset("smoke", prompts_per_task=2, max_new_tokens=8, max_prompt_tokens=128, greedy=ALL_METHODS,
                     sampled=("target-only", "draft@2", "hf-assisted"), cost_reps=1),
-    # ~15 minutes on 2 CPU cores with the default 1.5B/0.5B pair (fp32): one short prompt per task and the methods
-    # that say most. There a target step costs 0.7-1.3 s and prefill ~0.1 s per prompt token (measured), so a run
-    # costs ~25 s and 30 runs fill the budget; hybrid and self:N run in the full preset.
+    # ~15 minutes on 2 CPU cores with the default 1.5B/0.5B pair on torch (fp32): one short prompt per task and the
+    # methods that say most. There a target step costs 0.7-1.3 s and prefill ~0.1 s per prompt token (measured), so
+    # a run costs ~25 s and 30 runs fill the budget; self:N runs in the full preset. Peers of the other runtime are
+    # skipped; on llama.cpp the same preset takes ~4 minutes.
     "quick": Preset("quick", prompts_per_task=1, max_new_tokens=32, max_prompt_tokens=128,
-                    greedy=("target-only", "draft@2", "draft@4", "draft@auto", "ngram@4", "hf-assisted", "hf-lookup",
-                            "hf-generate"),
+                    greedy=("target-only", "draft@2", "draft@4", "draft@auto", "ngram@4", "ngram@auto", "hybrid@auto",
+                            "hf-assisted", "hf-lookup", "hf-generate", "llama-generate", "llama-lookup"),
                     sampled=("target-only", "draft@4"), cost_reps=3),
     # Hours on 2 CPU cores; minutes on a workstation.
     "full": Preset("full", prompts_per_task=5, max_new_tokens=128, max_prompt_tokens=1024, greedy=ALL_METHODS,
