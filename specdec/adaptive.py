@@ -138,6 +138,8 @@ class AdaptiveK:
             if self.speculative_cycles % (2 * self.probe_every) == 0:
                 return 0  # a plain pass now and then: widths that vary let the fit learn what width costs
             return k
+        if best_k(1.0, self.draft_cost, self.verify_cost, self.k_max, k_min=0) == 0:
+            return 0  # not even a drafter that is always right would pay at these costs: nothing to probe for
         self.plain_cycles += 1
         if self.plain_cycles <= self.probe_interval:
             return 0

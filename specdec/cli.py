@@ -34,8 +34,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize-target", choices=["int8"], default=None,
                         help="torch runtime: int8 weights for the target: faster, but output is then the quantized "
                              "target's")
-    parser.add_argument("--k", default="4", help="draft tokens per cycle, or 'auto' to adapt it per request "
-                                                  "(default: %(default)s)")
+    parser.add_argument("--k", default="auto",
+                        help="draft tokens per cycle, or 'auto' (default): chosen every cycle from the measured "
+                             "acceptance and costs, 0 (plain decoding) where speculation cannot pay")
 
 
 def generator_from_args(args):

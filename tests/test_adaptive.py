@@ -89,6 +89,14 @@ def test_best_k_is_zero_where_a_wider_verify_costs_more_than_it_yields():
     assert best_k(0.95, 0.0, flat(), 8, k_min=0) == 8  # a free, accurate drafter on a flat verify
 
 
+def test_no_probes_where_even_a_perfect_drafter_would_lose():
+    """The costs measured for the 0.5B draft and the 1.5B target on llama.cpp, 2 cores: c = 0.48, slope 0.78."""
+    policy = AdaptiveK(prior_draft_cost=0.48, prior_verify_slope=0.78)
+    assert [policy.next_k() for _ in range(100)] == [0] * 100
+    free = AdaptiveK(prior_draft_cost=0.0, prior_verify_slope=0.78)  # prompt lookup may still pay: it probes
+    assert 1 in [free.next_k() for _ in range(100)]
+
+
 def test_adaptive_k_chooses_plain_decoding_where_speculation_cannot_pay():
     chosen = run_cycles(AdaptiveK(), accept=lambda k: k, draft_s_per_token=0.05, verify_slope=0.9, cycles=60)
     assert chosen[-20:].count(0) >= 15
