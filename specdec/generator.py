@@ -40,8 +40,9 @@ class SpeculativeGenerator:
 
     k: draft tokens per cycle, or "auto" to choose k each cycle from the acceptance and costs observed so far.
     draft_quantization="int8" runs the draft model with int8 weights: cheaper drafts, exactness untouched (the target
-    decides). target_quantization="int8" changes the target itself: output is then exact relative to the quantized
-    target, and a baseline must use the same quantized target.
+    decides). target_quantization="int8" changes the target itself, and its passes over several tokens do not give the
+    logits of one-token passes (activations are quantized per pass), so such a target is verified one token at a time:
+    plain decoding of the quantized model, exact relative to it, with no speculation.
 
     target: a transformers causal LM, a local directory, a .gguf file or a registry name (`specdec models list`).
     draft: None (target-only decoding, the baseline), a drafter name ("ngram", "self:N", ...), a Drafter, or a draft
@@ -58,6 +59,7 @@ class SpeculativeGenerator:
         make_k_policy(k)  # refuse a bad k now rather than at the first request
         self.k = k
         self.runtime = pick_runtime(runtime, target)
+        self.target_quantization, self.draft_quantization = target_quantization, draft_quantization
         self.target, self.tokenizer = load_model(target, tokenizer, runtime=self.runtime, dtype=dtype,
                                                  quantization=target_quantization, threads=threads)
         check_rollback_supported(self.target)

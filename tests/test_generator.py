@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specdec import SpeculativeGenerator
 from specdec.models import IncompatibleVocabulary
-from specdec.runners import RollbackUnsupported
+from specdec.runners import RollbackUnsupported, new_runner
 
 from conftest import char_tokenizer, close_draft, tiny_model
 
@@ -164,3 +165,27 @@ def test_int8_draft_keeps_greedy_output_identical(tmp_path, tokenizer):
 def test_quantizing_a_passed_in_model_is_refused(pair):
     with pytest.raises(ValueError, match="quantization applies to models that specdec loads"):
         SpeculativeGenerator(pair[0], None, target_quantization="int8")
+
+
+def test_an_int8_target_is_verified_one_token_at_a_time_because_its_passes_are_not_row_invariant(tmp_path, tokenizer):
+    """Dynamic int8 quantizes a pass's activations with one scale for all its tokens: a token's logits then depend on
+    its neighbours in the pass, so verifying several at once could change greedy output. The runner says so and the
+    engine decodes plainly; output equals the int8 target's own one-token decoding."""
+    from specdec.models import quantize_int8
+    from specdec.runners import TorchRunner
+
+    target = tiny_model("llama", seed=0, vocab_size=VOCAB).float()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    quantized = quantize_int8(tiny_model("llama", seed=0, vocab_size=VOCAB).float())
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    together = TorchRunner(quantized, VOCAB).forward(ids)[0]
+    one = TorchRunner(quantized, VOCAB)
+    alone = torch.cat([one.forward(ids[:, i:i + 1])[0] for i in range(ids.shape[1])])
+    assert not torch.equal(together, alone)  # the measured reason
+    gen = SpeculativeGenerator(str(tmp_path / "target"), target, k=4, tokenizer=tokenizer, target_quantization="int8")
+    assert new_runner(gen.target, gen.vocab_size).max_verify_width == 1
+    baseline = SpeculativeGenerator(gen.target, None, tokenizer=tokenizer)
+    out = gen.generate("def g(y):", max_new_tokens=16)
+    assert out.token_ids == baseline.generate("def g(y):", max_new_tokens=16).token_ids
+    assert out.stats.drafted_tokens == 0

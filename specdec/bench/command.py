@@ -169,7 +169,7 @@ def _prepare(args, preset, candidates, results: dict):
 
     print(f"loading {args.target} and {args.draft} ...", file=sys.stderr)
     gen = generator_from_args(args)
-    results["settings"]["runtime"] = gen.runtime
+    results["settings"].update(runtime=gen.runtime, quantize_draft=gen.draft_quantization or "none")
     if gen.runtime != "torch":
         results["machine"]["compute_threads"] = gen.target.threads  # what the CPU share is measured against
     results["memory"]["after_load_mb"] = peak_rss_mb()

@@ -167,13 +167,16 @@ def markdown(results: dict, rows: list[dict], plots: dict[str, str]) -> str:
         "# specdec benchmark", "",
         f"Command: `{shlex.join(results['command'])}`  ",
         f"Status: {status}; wall time {_f(results.get('wall_s'), 0, ' s')}  ",
-        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, {_compute_threads(results)} compute threads, "
         f"{machine.get('ram_gb')} GB RAM, {machine['platform']}; load average at start "
         f"{', '.join(f'{x:.2f}' for x in machine['load_average_at_start'])}"
         + (f", at end {', '.join(f'{x:.2f}' for x in machine['load_average_at_end'])}"
            if machine.get("load_average_at_end") else "") + "  ",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items() if v) + "  ",
-        f"Target: {settings['target']}; draft: {settings['draft']}; dtype {settings['dtype']}  ",
+        f"Target: {settings['target']}; draft: {settings['draft']}; runtime {settings.get('runtime', 'torch')}"
+        + (f", weights as in the GGUF files" if settings.get("runtime") == "llama.cpp" else
+           f", dtype {settings['dtype']}, target quantization {settings.get('quantize_target') or 'none'}, draft "
+           f"quantization {settings.get('quantize_draft')}") + "  ",
         f"Preset {preset['name']}: up to {preset['prompts_per_task']} prompt(s) per task of at most "
         f"{preset['max_prompt_tokens']} tokens, {preset['max_new_tokens']} new tokens; temperature 0 (greedy) and "
         f"{settings['sampling_temperature']} (seed {settings['seed']} + prompt index, the same for every method); "
@@ -181,7 +184,7 @@ def markdown(results: dict, rows: list[dict], plots: dict[str, str]) -> str:
         "tokens/s: new tokens / wall time of the call, prefill included. Speed-up (median): median over prompts of "
         "the ratio to target-only on the same prompt; (pooled): total tokens / total time, over target-only's. "
         "Acceptance: accepted / drafted tokens. Mean accepted length: tokens per verify cycle, the recovered or bonus "
-        "token included. CPU share: CPU seconds the run got / (wall seconds x torch threads); well below 1 means "
+        "token included. CPU share: CPU seconds the run got / (wall seconds x compute threads); well below 1 means "
         "other processes took the cores and the timings of that row are inflated.", "",
     ]
     for temperature in dict.fromkeys(r["temperature"] for r in rows):
