@@ -33,8 +33,9 @@ def resolve_model_dir(spec: str | Path) -> Path:
 def quantize_int8(model):
     """Swap every nn.Linear (LM head included) for an int8 dynamically quantized one, in place.
 
-    Measured on the 2-core AVX-512 VNNI CPU, one 1536x8960 layer: fp32 takes 2.15 ms for 1 row and 5.56 ms for 4,
-    int8 0.60 ms and 0.63 ms. torch.ao's dynamic quantization is deprecated in favour of torchao, whose CPU path
+    Measured on a 2-core AVX2 CPU, one 1536x8960 layer: fp32 takes 3.4 ms for 1 row and 10.7 ms for 4, int8 0.52 ms
+    and 0.74 ms. Activations are quantized with one scale per pass, so rows of a pass are not independent (see
+    TorchRunner.max_verify_width). torch.ao's dynamic quantization is deprecated in favour of torchao, whose CPU path
     needs a newer torch than the pinned 2.13.
     """
     import warnings
