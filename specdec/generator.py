@@ -12,7 +12,7 @@ from specdec.drafters import TargetInfo, build_drafter
 from specdec.engine import speculative_decode
 from specdec.metrics import SpecStats
 from specdec.models import load_model, own_vocab_size, pick_runtime
-from specdec.runners import check_rollback_supported, new_runner
+from specdec.runners import check_rollback_supported, context_length, new_runner
 from specdec.sampling import SamplingConfig, make_generator
 
 
@@ -116,6 +116,13 @@ class SpeculativeGenerator:
                 return
             yield Chunk(delta, tokens, n_from_draft)
         yield Chunk(text.flush(), [], 0, "length", stats)
+
+    @property
+    def context_length(self) -> int:
+        """Tokens the target's context holds (prompt and generated tokens together)."""
+        if self.runtime != "torch":
+            return self.target.max_length
+        return context_length(self.target.config)
 
     def _k_priors(self) -> dict:
         """Costs that a runtime measured when it loaded the models: a better start for k="auto" than the defaults,

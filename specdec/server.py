@@ -357,10 +357,8 @@ class _Service:
     """What the routes share: the generator, its one slot, the metrics."""
 
     def __init__(self, generator: SpeculativeGenerator, model_name: str, max_queue: int):
-        from specdec.runners import context_length  # torch and transformers: loaded with the generator anyway
-
         self.generator, self.model_name = generator, model_name
-        self.context = context_length(generator.target.config)
+        self.context = generator.context_length
         self.slot = _ModelSlot(max_queue)
         self.metrics = _Metrics(lambda: self.slot.pending)
         self.created = int(time.time())

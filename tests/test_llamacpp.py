@@ -245,3 +245,25 @@ def test_cli_generate_on_llama_cpp_compares_with_target_only(gguf_path, capsys):
     assert main(["generate", "--runtime", "llama.cpp", "--target", gguf_path, "--quantize-draft", "int8",
                  "--draft", gguf_path, "--max-new-tokens", "4"]) == 2
     assert "own quantized weights" in capsys.readouterr().err
+
+
+def test_server_on_llama_cpp_answers_concurrent_openai_clients_like_generate(model, gguf_path):
+    """Requests queue for the one llama.cpp context; each answer equals the same request run alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from specdec.server import create_app
+    from test_server import serve
+
+    target, tokenizer = model
+    gen = SpeculativeGenerator(target, gguf_path, k=3, tokenizer=tokenizer)
+    jobs = [dict(prompt=f"{PROMPTS[i % 2]} {i}", max_tokens=10, temperature=0.0 if i % 2 else 0.9, seed=i)
+            for i in range(6)]
+    expected = [gen.generate(j["prompt"], max_new_tokens=10, temperature=j["temperature"], seed=j["seed"]).text
+                for j in jobs]
+    with serve(create_app(gen, "smollm")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda j: client.completions.create(model="smollm", **j).choices[0].text, jobs))
+    assert answers == expected and any(answers)

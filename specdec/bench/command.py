@@ -251,8 +251,6 @@ def _warm_context(units, gen, widest: int):
     import torch
 
     from specdec.bench.costs import WARM_CONTEXT
-    from specdec.runners import new_runner
-
-    length = max(1, min(WARM_CONTEXT, new_runner(gen.target, gen.vocab_size).max_length - widest - 1))
+    length = max(1, min(WARM_CONTEXT, gen.context_length - widest - 1))
     tokens = torch.cat([u.ids for u in units], dim=1)  # [1, total]
     return tokens.repeat(1, -(-length // tokens.shape[1]))[:, :length]
