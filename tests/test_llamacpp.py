@@ -181,8 +181,9 @@ def test_greedy_speculation_equals_target_only(model, baseline, gguf_path, draft
         out = speculative.generate(prompt, max_new_tokens=24)
         assert out.token_ids == reference.token_ids
         assert len(out.token_ids) > 0
-    if draft == gguf_path:  # the draft is the target itself: every draft token must be accepted
+    if draft == gguf_path and k != "auto":  # the draft is the target itself: every draft token must be accepted
         assert out.stats.acceptance_rate == 1.0
+    # (k="auto" drafts nothing with this draft: a draft step costs what a target step does, so it cannot pay)
 
 
 def test_seeded_sampling_is_reproducible_and_differs_by_seed(model, gguf_path):
