@@ -154,7 +154,9 @@ def test_int8_draft_keeps_greedy_output_identical(tmp_path, tokenizer):
     target.save_pretrained(tmp_path / "draft")
     tokenizer.save_pretrained(tmp_path / "draft")
     gen = SpeculativeGenerator(target, str(tmp_path / "draft"), k=4, tokenizer=tokenizer, draft_quantization="int8")
-    assert "quantized" in type(gen.draft.get_output_embeddings()).__module__
+    from specdec.models import RowwiseInt8Linear
+
+    assert isinstance(gen.draft.get_output_embeddings(), RowwiseInt8Linear)
     baseline = SpeculativeGenerator(target, None, tokenizer=tokenizer)
     for prompt in ["abc", "def g(y):"]:
         out = gen.generate(prompt, max_new_tokens=24)
@@ -167,25 +169,48 @@ def test_quantizing_a_passed_in_model_is_refused(pair):
         SpeculativeGenerator(pair[0], None, target_quantization="int8")
 
 
-def test_an_int8_target_is_verified_one_token_at_a_time_because_its_passes_are_not_row_invariant(tmp_path, tokenizer):
-    """Dynamic int8 quantizes a pass's activations with one scale for all its tokens: a token's logits then depend on
-    its neighbours in the pass, so verifying several at once could change greedy output. The runner says so and the
-    engine decodes plainly; output equals the int8 target's own one-token decoding."""
-    from specdec.models import quantize_int8
+def one_at_a_time_vs_together(model, ids):
     from specdec.runners import TorchRunner
 
+    together = TorchRunner(model, VOCAB).forward(ids)[0]
+    one = TorchRunner(model, VOCAB)
+    alone = torch.cat([one.forward(ids[:, i:i + 1])[0] for i in range(ids.shape[1])])
+    return together, alone
+
+
+def test_int8_passes_reproduce_one_token_passes_bit_for_bit_and_torch_dynamic_int8_does_not():
+    """specdec's int8 (rowwise activations and attention) keeps the rows of a pass independent, so verification of an
+    int8 target is exact; torch's own dynamic int8 quantizes a pass with one scale (the negative control)."""
+    import warnings
+
+    from torch.ao.quantization import quantize_dynamic
+
+    from specdec.models import quantize_int8
+
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3, 8, 1, 4]])
+    for arch in ("llama", "qwen2"):
+        together, alone = one_at_a_time_vs_together(quantize_int8(tiny_model(arch, seed=0, vocab_size=VOCAB).float()), ids)
+        assert torch.equal(together, alone), arch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch_int8 = quantize_dynamic(tiny_model("llama", seed=0, vocab_size=VOCAB).float(), {torch.nn.Linear},
+                                      dtype=torch.qint8)
+    together, alone = one_at_a_time_vs_together(torch_int8, ids)
+    assert not torch.equal(together, alone)
+    assert new_runner(torch_int8, VOCAB).max_verify_width == 1  # such a model is verified one token at a time
+    gen = SpeculativeGenerator(torch_int8, torch_int8, k=4)
+    assert gen.generate([1, 2, 3], max_new_tokens=8).stats.drafted_tokens == 0
+
+
+def test_int8_target_speculation_equals_int8_target_only(tmp_path, tokenizer):
     target = tiny_model("llama", seed=0, vocab_size=VOCAB).float()
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
-    quantized = quantize_int8(tiny_model("llama", seed=0, vocab_size=VOCAB).float())
-    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
-    together = TorchRunner(quantized, VOCAB).forward(ids)[0]
-    one = TorchRunner(quantized, VOCAB)
-    alone = torch.cat([one.forward(ids[:, i:i + 1])[0] for i in range(ids.shape[1])])
-    assert not torch.equal(together, alone)  # the measured reason
-    gen = SpeculativeGenerator(str(tmp_path / "target"), target, k=4, tokenizer=tokenizer, target_quantization="int8")
-    assert new_runner(gen.target, gen.vocab_size).max_verify_width == 1
+    gen = SpeculativeGenerator(str(tmp_path / "target"), str(tmp_path / "target"), k=4, tokenizer=tokenizer,
+                               target_quantization="int8", draft_quantization="int8")
+    assert new_runner(gen.target, gen.vocab_size).max_verify_width is None
     baseline = SpeculativeGenerator(gen.target, None, tokenizer=tokenizer)
-    out = gen.generate("def g(y):", max_new_tokens=16)
-    assert out.token_ids == baseline.generate("def g(y):", max_new_tokens=16).token_ids
-    assert out.stats.drafted_tokens == 0
+    for prompt in ["def g(y):", "abc abc abc"]:
+        out = gen.generate(prompt, max_new_tokens=16)
+        assert out.token_ids == baseline.generate(prompt, max_new_tokens=16).token_ids
+        assert out.stats.acceptance_rate == 1.0  # the draft is the same int8 model: every token agrees
