@@ -32,9 +32,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                         help="torch runtime: weights of a draft model, int8 (cheaper drafts, output unchanged) or "
                              "none (as loaded); auto (default): int8 on torch, the GGUF's own on llama.cpp")
     parser.add_argument("--quantize-target", choices=["int8"], default=None,
-                        help="torch runtime: int8 weights for the target: faster plain decoding of a slightly "
-                             "different model; it is then verified one token at a time (an int8 pass over several "
-                             "tokens does not reproduce one-token passes), so nothing is drafted")
+                        help="torch runtime: int8 weights for the target: a slightly different model, much faster, "
+                             "and a nearly flat verify cost; output is exact relative to the int8 target")
     parser.add_argument("--k", default="auto",
                         help="draft tokens per cycle, or 'auto' (default): chosen every cycle from the measured "
                              "acceptance and costs, 0 (plain decoding) where speculation cannot pay")

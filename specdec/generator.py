@@ -40,9 +40,9 @@ class SpeculativeGenerator:
 
     k: draft tokens per cycle, or "auto" to choose k each cycle from the acceptance and costs observed so far.
     draft_quantization="int8" runs the draft model with int8 weights: cheaper drafts, exactness untouched (the target
-    decides). target_quantization="int8" changes the target itself, and its passes over several tokens do not give the
-    logits of one-token passes (activations are quantized per pass), so such a target is verified one token at a time:
-    plain decoding of the quantized model, exact relative to it, with no speculation.
+    decides). target_quantization="int8" changes the target itself (a slightly different model, much faster on a CPU);
+    output is then exact relative to that int8 target: its passes over several tokens reproduce one-token passes bit
+    for bit (models.RowwiseInt8Linear, models.rowwise_attention), and a baseline must use the same int8 target.
 
     target: a transformers causal LM, a local directory, a .gguf file or a registry name (`specdec models list`).
     draft: None (target-only decoding, the baseline), a drafter name ("ngram", "self:N", ...), a Drafter, or a draft

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,7 +49,9 @@ class RowwiseInt8Linear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         scales = (weight.abs().amax(dim=1).clamp_min(1e-12) / 127).double()
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
-        quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        with warnings.catch_warnings():  # quantized tensors are deprecated for a future torch; the pinned 2.13 has them
+            warnings.simplefilter("ignore", UserWarning)
+            quantized = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
         self._packed = torch.ops.quantized.linear_prepack(quantized, None)
         self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().float(),
                                                                          requires_grad=False)
@@ -115,7 +118,22 @@ def _swap_linears(model) -> None:
             _swap_linears(child)
 
 
-QUANTIZATIONS = {"int8": quantize_int8}  # name -> in-place transform of a model that specdec loaded itself
+def quantize_int8_per_pass(model):
+    """torch's dynamic int8 (one activation scale per pass, rows not independent), in place; -> model.
+
+    For draft models, which only propose: measured on the 0.5B draft, its step costs 0.48 of an int8 target step
+    against 0.65 with quantize_int8's row-by-row work.
+    """
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():  # torch.ao's quantization is deprecated for a future torch; 2.13 has it
+        warnings.simplefilter("ignore")
+        return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True)
+
+
+# name -> in-place transform of a model that specdec loaded itself. "int8" keeps rows independent (what a target needs
+# for exact verification); "int8-per-pass" is the cheaper choice for a draft, whose numerics do not matter.
+QUANTIZATIONS = {"int8": quantize_int8, "int8-per-pass": quantize_int8_per_pass}
 
 
 def load_causal_lm(spec, tokenizer=None, dtype: torch.dtype = torch.float32, quantization: str | None = None):

@@ -76,9 +76,10 @@ class TorchRunner:
         self.vocab_size = vocab_size
         self.max_length = context_length(model.config)
         self.cache = DynamicCache(config=model.config)
-        # Dynamically quantized layers scale a pass's activations by the largest of all its tokens, so a token's
-        # logits depend on the tokens verified beside it (measured: up to 0.06 apart on one layer; greedy output of an
-        # int8 target diverged on a summary prompt). Only one-token passes reproduce plain decoding on such a model.
+        # torch's dynamically quantized layers scale a pass's activations by the largest of all its tokens, so a
+        # token's logits depend on the tokens verified beside it (measured: up to 0.06 apart on one layer; greedy
+        # output of such an int8 target diverged on a summary prompt). Only one-token passes reproduce plain decoding
+        # on such a model. specdec's own int8 (models.quantize_int8) keeps rows independent and is not limited.
         self.max_verify_width = 1 if has_dynamic_quantization(model) else None
 
     @property

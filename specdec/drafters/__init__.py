@@ -26,8 +26,9 @@ class TargetInfo:
 
     def load_draft(self, spec, tokenizer=None):
         """A draft model given like the target (path, .gguf, registry name) -> (model, tokenizer), on this runtime."""
-        return load_model(spec, tokenizer, runtime=self.runtime, dtype=self.dtype,
-                          quantization=self.draft_quantization,
+        # A draft only proposes, so "int8" takes torch's cheaper per-pass int8 (see models.QUANTIZATIONS).
+        quantization = "int8-per-pass" if self.draft_quantization == "int8" else self.draft_quantization
+        return load_model(spec, tokenizer, runtime=self.runtime, dtype=self.dtype, quantization=quantization,
                           threads=self.threads)
 
 
