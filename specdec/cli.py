@@ -76,11 +76,12 @@ def run_generate(args) -> int:
     gen = generator_from_args(args)
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
+    plain = SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer, runtime=gen.runtime)
+    if args.compare:  # untimed warm-up of both: the first pass over freshly loaded weights is slower
+        for warm in (gen, plain):
+            warm.generate(args.prompt, **{**settings, "max_new_tokens": min(2, args.max_new_tokens)})
     out = gen.generate(args.prompt, **settings)
-    baseline = None
-    if args.compare:
-        baseline = SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer,
-                                        runtime=gen.runtime).generate(args.prompt, **settings)
+    baseline = plain.generate(args.prompt, **settings) if args.compare else None
     if args.json:
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                   "stats": out.stats.to_dict()}
