@@ -23,8 +23,8 @@ INITIAL_CONTEXT = 2048  # tokens of KV cache allocated up front; grows by doubli
 BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several)
 
 
-class LlamaCppUnavailable(ImportError):
-    """llama-cpp-python is not installed in this environment."""
+class LlamaCppUnavailable(ValueError):
+    """The llama.cpp runtime was asked for, but llama-cpp-python is not installed in this environment."""
 
 
 def _lib():
@@ -76,8 +76,8 @@ def load(spec, tokenizer=None, threads: int | None = None) -> tuple[LlamaCppMode
             if not path.is_file():
                 raise FileNotFoundError(f"GGUF file not found: {path}")
         else:
-            raise ValueError(f"the llama.cpp runtime reads GGUF files: give a registry name ({', '.join(registry.MODELS)}) "
-                             f"or a .gguf file, not {text!r}; or use --runtime torch")
+            raise ValueError(f"the llama.cpp runtime reads GGUF files: give a registry name "
+                             f"({', '.join(registry.MODELS)}) or a .gguf file, not {text!r}; or use --runtime torch")
         model = LlamaCppModel(path, threads)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(registry.gguf_tokenizer_dir(model.path), local_files_only=True)
@@ -105,7 +105,7 @@ class LlamaCppModel:
         params.n_gpu_layers = 0
         # No repacked weight layouts: measured on the 2-core AVX2 CPU with Qwen2.5-Coder-1.5B Q4_K_M, the repacked
         # kernels were no faster (64 vs 56 ms a token, 5.6 vs 4.2 s for a 200-token prompt) and change the logits
-        # of a pass from 4 tokens up, where the plain kernels stay bitwise equal to one-token passes up to 5.
+        # of a pass from 4 tokens up, where the plain kernels stay bitwise equal to one-token passes up to 7.
         params.use_extra_bufts = False
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:

@@ -189,7 +189,8 @@ def test_int8_passes_reproduce_one_token_passes_bit_for_bit_and_torch_dynamic_in
 
     ids = torch.tensor([[5, 9, 2, 7, 11, 3, 8, 1, 4]])
     for arch in ("llama", "qwen2"):
-        together, alone = one_at_a_time_vs_together(quantize_int8(tiny_model(arch, seed=0, vocab_size=VOCAB).float()), ids)
+        model = quantize_int8(tiny_model(arch, seed=0, vocab_size=VOCAB).float())
+        together, alone = one_at_a_time_vs_together(model, ids)
         assert torch.equal(together, alone), arch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -104,7 +104,8 @@ def test_logits_of_a_run_equal_one_token_at_a_time_up_to_the_calibrated_width(mo
     for width in range(2, widest + 1):
         batched = run.forward(ids[:, prefix:prefix + width])[0]
         run.rollback(prefix)
-        assert torch.equal(batched, single[:width]), f"width {width}: max |diff| {(batched - single[:width]).abs().max():.3g}"
+        difference = (batched - single[:width]).abs().max()
+        assert torch.equal(batched, single[:width]), f"width {width}: max |diff| {difference:.3g}"
 
 
 def test_calibration_is_cached_and_gives_priors_for_auto_k(model, gguf_path):
