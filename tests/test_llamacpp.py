@@ -269,3 +269,13 @@ def test_server_on_llama_cpp_answers_concurrent_openai_clients_like_generate(mod
         with ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(lambda j: client.completions.create(model="smollm", **j).choices[0].text, jobs))
     assert answers == expected and any(answers)
+
+
+def test_without_llama_cpp_python_the_error_says_how_to_get_it(gguf_path, monkeypatch):
+    import sys
+
+    from specdec.llamacpp import LlamaCppUnavailable
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
+    with pytest.raises(LlamaCppUnavailable, match="make setup"):
+        SpeculativeGenerator(gguf_path, None, runtime="llama.cpp")
