@@ -44,6 +44,7 @@ $(VENV)/.llama-cpp: $(VENV)/.installed
 
 models: setup
 	$(BIN)/specdec models pull $(MODELS)
+	$(BIN)/specdec models pull --runtime llama.cpp $(MODELS)
 
 demo: models
 	$(BIN)/specdec generate --chat --compare --max-new-tokens 96 --prompt "$(DEMO_PROMPT)"

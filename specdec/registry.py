@@ -506,6 +506,12 @@ def _joined_gguf_path(spec: ModelSpec) -> Path:
     return cache_root() / "gguf" / f"{spec.name}-{spec.sha256[:16]}.gguf"
 
 
+def gguf_ready(name: str) -> bool:
+    """Whether gguf_file(name) can answer without installing anything."""
+    spec = get_spec(name)
+    return _joined_gguf_path(spec).is_file() if len(spec.pins) > 1 else is_installed(name)
+
+
 def gguf_file(name: str, progress: bool = True) -> Path:
     """The registry model's GGUF file, for runtimes that read GGUF directly; installs its packages if missing.
 

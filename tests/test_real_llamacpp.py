@@ -23,7 +23,7 @@ def pair():
 
     problems = [] if llamacpp.installed() else [f"llama-cpp-python is not installed: run `make setup`"]
     problems += [f"{name} is not installed: run `specdec models pull {name} --runtime llama.cpp`"
-                 for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT) if not registry.is_installed(name)]
+                 for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT) if not registry.gguf_ready(name)]
     if problems:
         if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
             pytest.fail("; ".join(problems))
