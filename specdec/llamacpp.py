@@ -213,7 +213,7 @@ def _cached_calibration(model: LlamaCppModel) -> dict:
 def calibrate(model: LlamaCppModel, widths=CALIBRATION_WIDTHS) -> dict:
     """Evaluate the same tokens one at a time and in passes of 2..8 tokens ->
     {"exact_width": the largest w such that every pass of 2..w tokens gives the one-token logits bit for bit (1 if
-    none does), "pass_s": {width: seconds of that pass}} (a prior for k="auto"; about 2 s on the 1.5B)."""
+    none does), "pass_s": {width: seconds of that pass}} (a prior for k="auto"). It evaluates 59 tokens in 16 passes."""
     import statistics
     import time
 
