@@ -99,7 +99,11 @@ class AdaptiveK:
                  # 0.40 s at width 1, 0.80 s at 2, 1.0-1.2 s at 3-9 (measured), which the fit then learns.
                  prior_verify_slope: float = 0.05,
                  decay: float = 0.9,  # per cycle: estimates follow the last ~10 cycles, as content shifts a
-                 probe_every: int = 8):
+                 probe_every: int = 8,
+                 # Learn costs from the clock. False: keep the prior costs (calibrated when the models loaded), so
+                 # that every choice depends only on the tokens and a seeded sample repeats exactly; wall-clock times
+                 # differ from run to run, and k decides how the random stream is consumed.
+                 timed: bool = True):
         if k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {k_max}")
         if not 0.0 <= prior_acceptance <= 1.0 or prior_weight <= 0:
@@ -111,7 +115,7 @@ class AdaptiveK:
         self.probe_every = self.probe_interval = probe_every
         self.plain_cycles = 0  # consecutive cycles with k = 0
         self.speculative_cycles = 0
-        self.k_max, self.decay = k_max, decay
+        self.k_max, self.decay, self.timed = k_max, decay, timed
         self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
         self.prior_draft_cost = prior_draft_cost
         self.successes = self.trials = 0.0  # decayed accepted draft tokens / tested draft tokens
@@ -154,17 +158,19 @@ class AdaptiveK:
         if n_drafted > 0:
             self.successes = d * self.successes + n_accepted
             self.trials = d * self.trials + n_accepted + (n_accepted < n_drafted)
+        if not self.timed:
+            return
         # The first cycle's draft time includes the drafter's prefill of the whole prompt: not a per-token cost.
         if self.cycles > 1:
             self.draft_s, self.drafted = d * self.draft_s + draft_s, d * self.drafted + n_drafted
         self.verify_cost.observe(n_drafted + 1, verify_s)
 
 
-def make_k_policy(k: int | str, **priors):
+def make_k_policy(k: int | str, **options):
     """An int -> FixedK; "auto" -> a fresh AdaptiveK (one per request: its estimates are the request's own), with
-    priors (AdaptiveK's prior_* arguments, e.g. costs measured when the models loaded)."""
+    options (AdaptiveK's arguments, e.g. prior costs measured when the models loaded)."""
     if k == "auto":
-        return AdaptiveK(**priors)
+        return AdaptiveK(**options)
     if isinstance(k, str):
         if not k.isdigit():
             raise ValueError(f"k must be a positive integer or 'auto', got {k!r}")

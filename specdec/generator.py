@@ -95,7 +95,9 @@ class SpeculativeGenerator:
         sampling = SamplingConfig(temperature, top_k, top_p)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        k_policy = make_k_policy(self.k if k is None else k, **self._k_priors())
+        # A seeded sample must not depend on the clock: k decides how the random stream is consumed.
+        timed = sampling.greedy or seed is None
+        k_policy = make_k_policy(self.k if k is None else k, timed=timed, **self._k_priors())
         prompt_ids = self.encode(prompt, chat)
         runner = new_runner(self.target, self.vocab_size)
         if prompt_ids.shape[1] >= runner.max_length:
@@ -107,12 +109,14 @@ class SpeculativeGenerator:
                                    sampling=sampling, generator=make_generator(seed), eos_ids=self.eos_ids,
                                    stats=stats)
         for step in steps:
-            delta, kept = text.add(step.tokens)
+            delta, kept, stopped = text.add(step.tokens)
             tokens, n_from_draft = step.tokens[:kept], min(step.n_from_draft, kept)
-            if kept < len(step.tokens) or step.finish_reason:
+            if stopped:
                 stats.new_tokens -= len(step.tokens) - kept
-                finish_reason = "stop" if kept < len(step.tokens) else step.finish_reason
-                yield Chunk(delta + text.flush(), tokens, n_from_draft, finish_reason, stats)
+                yield Chunk(delta, tokens, n_from_draft, "stop", stats)
+                return
+            if step.finish_reason:
+                yield Chunk(delta + text.flush(), tokens, n_from_draft, step.finish_reason, stats)
                 return
             yield Chunk(delta, tokens, n_from_draft)
         yield Chunk(text.flush(), [], 0, "length", stats)
@@ -155,18 +159,18 @@ class _Detokenizer:
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already emitted
 
-    def add(self, tokens: list[int]) -> tuple[str, int]:
-        """-> (text safe to emit now, how many of tokens to keep: fewer than all when a stop string was reached)."""
+    def add(self, tokens: list[int]) -> tuple[str, int, bool]:
+        """-> (text safe to emit now, how many of tokens to keep, whether a stop string was reached: then generation
+        ends here, after the fewest tokens that complete it, and nothing from the stop string on is emitted)."""
         if self.tokenizer is None:
-            return "", len(tokens)
+            return "", len(tokens), False
         text = self._decode(tokens)
         if self._stop_in(text) is not None:
-            # Keep the fewest tokens that complete the stop string; nothing from it onwards is sent.
             kept = next(n for n in range(1, len(tokens) + 1) if self._stop_in(self._decode(tokens[:n])) is not None)
             text = self._decode(tokens[:kept])
             self.ids += tokens[:kept]
             delta, self.sent = text[self.sent:self._stop_in(text)], len(text)
-            return delta, kept
+            return delta, kept, True
         self.ids += tokens
         safe = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character waits for its remaining tokens
         for s in self.stop:  # hold back a tail that may grow into a stop string
@@ -175,7 +179,7 @@ class _Detokenizer:
                     safe -= n
                     break
         delta, self.sent = text[self.sent:safe], max(self.sent, safe)
-        return delta, len(tokens)
+        return delta, len(tokens), False
 
     def _decode(self, extra: list[int] = ()) -> str:
         return self.tokenizer.decode(self.ids + list(extra), skip_special_tokens=True)

@@ -20,7 +20,15 @@ import torch
 
 PIN = "llama-cpp-python==0.3.36"
 INITIAL_CONTEXT = 2048  # tokens of KV cache allocated up front; grows by doubling (28 KB per token on the 1.5B)
-BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several)
+BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several), as llama-cpp-python's default n_batch
+
+# KV cache element types (ggml_type). ggml's flash attention over an f16 or f32 cache of 512+ cells splits a one-token
+# pass across threads and merges partial softmaxes, while wider passes run each row in one sequential sweep, so past
+# ~512 tokens a verify pass no longer reproduces one-token passes (measured: logits 0.22-0.70 apart at 600 cached
+# tokens on Qwen2.5-Coder-1.5B). Over any other cache type every pass takes the sequential sweep, whatever its width
+# and the context length. Without flash attention the K.Q products take width-dependent matrix kernels instead.
+KV_CACHE_TYPES = {"f16": 1, "bf16": 30, "q8_0": 8}
+DEFAULT_KV_CACHE = "bf16"  # the f16 default's range with the sequential sweep
 
 
 class LlamaCppUnavailable(ValueError):
@@ -59,7 +67,8 @@ def installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def load(spec, tokenizer=None, threads: int | None = None) -> tuple[LlamaCppModel, object]:
+def load(spec, tokenizer=None, threads: int | None = None,
+         kv_cache: str = DEFAULT_KV_CACHE) -> tuple[LlamaCppModel, object]:
     """A registry name, a .gguf file or a loaded LlamaCppModel -> (model, transformers tokenizer read from the GGUF)."""
     from transformers import AutoTokenizer
 
@@ -78,7 +87,7 @@ def load(spec, tokenizer=None, threads: int | None = None) -> tuple[LlamaCppMode
         else:
             raise ValueError(f"the llama.cpp runtime reads GGUF files: give a registry name "
                              f"({', '.join(registry.MODELS)}) or a .gguf file, not {text!r}; or use --runtime torch")
-        model = LlamaCppModel(path, threads)
+        model = LlamaCppModel(path, threads, kv_cache)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(registry.gguf_tokenizer_dir(model.path), local_files_only=True)
     return model, tokenizer
@@ -93,7 +102,7 @@ class LlamaCppModel:
 
     runtime = "llama.cpp"
 
-    def __init__(self, path: str | os.PathLike, threads: int | None = None):
+    def __init__(self, path: str | os.PathLike, threads: int | None = None, kv_cache: str = DEFAULT_KV_CACHE):
         lib = _lib()
         self.path = Path(path)
         if not self.path.is_file():
@@ -101,6 +110,9 @@ class LlamaCppModel:
         self.threads = threads or default_threads()
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if kv_cache not in KV_CACHE_TYPES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
+        self.kv_cache = kv_cache
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         # No repacked weight layouts: measured on the 2-core AVX2 CPU with Qwen2.5-Coder-1.5B Q4_K_M, the repacked
@@ -120,36 +132,48 @@ class LlamaCppModel:
         self.max_length = lib.llama_model_n_ctx_train(self._model)
         self.eos_ids = frozenset(i for i in range(self.n_vocab) if lib.llama_vocab_is_eog(self._vocab, i))
         self._context: _Context | None = None
-        self._calibration: dict | None = None
+        self._costs: dict | None = None
+        self._exact_widths: dict[int, int] | None = None
 
     @property
-    def calibration(self) -> dict:
-        """{"exact_width": w, "pass_s": {width: seconds}}, measured once per model file, llama.cpp build and CPU,
-        then read from the cache (see calibrate)."""
-        if self._calibration is None:
-            self._calibration = _cached_calibration(self)
-        return self._calibration
+    def costs(self) -> dict:
+        """{"pass_s": {width: seconds of a pass over that many tokens}}, measured once per model file, llama.cpp
+        build, CPU, threads and cache type, then read from the cache (see measure_costs): priors for k="auto"."""
+        if self._costs is None:
+            self._costs = _cached(self, "costs", measure_costs)
+        return self._costs
 
     @property
-    def exact_width(self) -> int:
-        """The widest pass whose logits equal, bit for bit, one-token passes over the same tokens (>= 1).
+    def exact_widths(self) -> dict[int, int]:
+        """{cached tokens: the widest pass whose logits equal one-token passes bit for bit there}, measured once like
+        costs (see measure_exact_widths). Only a target needs it: drafts never have to be exact."""
+        if self._exact_widths is None:
+            found = _cached(self, "exactness", measure_exact_widths)
+            self._exact_widths = {int(length): width for length, width in found["exact_width"].items()}
+        return self._exact_widths
 
-        llama.cpp picks kernels by the number of tokens in a pass, and they round differently; a verify pass wider
-        than this could flip a near-tie that plain decoding would not, so the engine drafts at most this - 1 tokens.
+    def verify_width(self, length: int) -> int:
+        """The widest pass the engine may verify after `length` cached tokens (>= 1).
+
+        llama.cpp picks kernels by the number of tokens in a pass (and, for some cache types, by the context
+        length), and they round differently; a verify pass wider than this could flip a near-tie that plain
+        decoding would not. Up to the longest calibrated context it is the narrowest width found exact at any
+        calibrated length; beyond that nothing was checked, so passes there verify one token.
         """
-        return self.calibration["exact_width"]
+        widths = self.exact_widths
+        return min(widths.values()) if length <= max(widths) else 1
 
     @property
     def verify_slope(self) -> float:
         """Extra seconds per extra token of a pass, relative to a one-token pass (0: flat, 1: linear)."""
-        pass_s = {int(w): s for w, s in self.calibration["pass_s"].items()}
+        pass_s = {int(w): s for w, s in self.costs["pass_s"].items()}
         slopes = sorted((s / pass_s[1] - 1) / (w - 1) for w, s in pass_s.items() if w > 1)
         return max(0.0, slopes[len(slopes) // 2]) if slopes else 0.0
 
     @property
     def step_s(self) -> float:
         """Seconds of one one-token pass (at the calibration's short context)."""
-        return self.calibration["pass_s"]["1"]
+        return self.costs["pass_s"]["1"]
 
     def new_runner(self, vocab_size: int) -> LlamaCppRunner:
         return LlamaCppRunner(self, vocab_size)
@@ -180,10 +204,14 @@ class LlamaCppModel:
 
 
 CALIBRATION_WIDTHS = range(2, 9)  # verify widths checked: up to 7 draft tokens
-CALIBRATION_PREFIX = 16  # tokens in the cache before the checked passes
+# Cached tokens before the checked passes: short; past the 512 cells where ggml's attention changes strategy for f16
+# caches; and a long context (prompts of a few pages). Beyond the longest, the engine verifies one token at a time.
+CALIBRATION_CONTEXTS = (16, 600, 4096)
+CALIBRATION_VERSION = 2  # bump when what is measured changes: older cached results are then measured again
 
 
-def _cached_calibration(model: LlamaCppModel) -> dict:
+def _cached(model: LlamaCppModel, kind: str, measure) -> dict:
+    """measure(model), cached in a JSON file per model file, llama.cpp build, CPU, threads and cache type."""
     import hashlib
     import json
     from importlib.metadata import version
@@ -194,49 +222,73 @@ def _cached_calibration(model: LlamaCppModel) -> dict:
     cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "") if os.path.exists(
         "/proc/cpuinfo") else os.uname().machine
     key = hashlib.sha256(f"{model.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('llama_cpp_python')}|"
-                         f"{cpu}|{model.threads}".encode()).hexdigest()[:24]
-    path = registry.cache_root() / "calibration" / f"{model.path.stem}-{key}.json"
+                         f"{cpu}|{model.threads}|{model.kv_cache}|{CALIBRATION_VERSION}".encode()).hexdigest()[:24]
+    path = registry.cache_root() / "calibration" / f"{model.path.stem}-{kind}-{key}.json"
     try:
-        found = json.loads(path.read_text())
-        if {"exact_width", "pass_s"} <= set(found):
-            return {"exact_width": found["exact_width"], "pass_s": found["pass_s"]}
-    except (OSError, ValueError):
+        return json.loads(path.read_text())["measured"]
+    except (OSError, ValueError, KeyError):
         pass
-    found = calibrate(model)
+    found = measure(model)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps({"model": str(model.path), "threads": model.threads, **found}) + "\n")
+    partial.write_text(json.dumps({"model": str(model.path), "threads": model.threads, "kv_cache": model.kv_cache,
+                                   "measured": found}) + "\n")
     partial.replace(path)
     return found
 
 
-def calibrate(model: LlamaCppModel, widths=CALIBRATION_WIDTHS) -> dict:
-    """Evaluate the same tokens one at a time and in passes of 2..8 tokens ->
-    {"exact_width": the largest w such that every pass of 2..w tokens gives the one-token logits bit for bit (1 if
-    none does), "pass_s": {width: seconds of that pass}} (a prior for k="auto"). It evaluates 59 tokens in 16 passes."""
+def _probe_tokens(model: LlamaCppModel, n: int) -> torch.Tensor:
+    return torch.arange(n)[None] * 7919 % model.n_vocab  # [1, n] any in-vocabulary tokens
+
+
+def _one_token_logits(runner: LlamaCppRunner, tokens: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
+    """Logits of tokens [1, n] fed one pass each -> ([n, vocab], seconds of each pass)."""
+    import time
+
+    rows, seconds = [], []
+    for i in range(tokens.shape[1]):
+        started = time.perf_counter()
+        rows.append(runner.forward(tokens[:, i:i + 1])[0])
+        seconds.append(time.perf_counter() - started)
+    return torch.cat(rows), seconds
+
+
+def measure_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS) -> dict:
+    """Seconds of a one-token pass (median of 8) and of one pass over each width in widths, after 16 cached tokens."""
     import statistics
     import time
 
-    vocab = model.n_vocab
-    tokens = torch.arange(CALIBRATION_PREFIX + max(widths))[None] * 7919 % vocab  # any in-vocabulary tokens
-    runner = LlamaCppRunner(model, vocab, max_verify_width=1)
-    runner.forward(tokens[:, :CALIBRATION_PREFIX], last_only=True)
-    single, single_s = [], []
-    for i in range(CALIBRATION_PREFIX, tokens.shape[1]):
-        started = time.perf_counter()
-        single.append(runner.forward(tokens[:, i:i + 1])[0])
-        single_s.append(time.perf_counter() - started)
-    single = torch.cat(single)
-    exact, pass_s = 1, {"1": statistics.median(single_s)}
+    prefix = CALIBRATION_CONTEXTS[0]
+    tokens = _probe_tokens(model, prefix + max(widths))
+    runner = LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
+    runner.forward(tokens[:, :prefix], last_only=True)
+    _, single_s = _one_token_logits(runner, tokens[:, prefix:])
+    pass_s = {"1": statistics.median(single_s)}
     for width in widths:
-        runner.rollback(CALIBRATION_PREFIX)
+        runner.rollback(prefix)
         started = time.perf_counter()
-        logits = runner.forward(tokens[:, CALIBRATION_PREFIX:CALIBRATION_PREFIX + width])[0]
+        runner.forward(tokens[:, prefix:prefix + width])
         pass_s[str(width)] = time.perf_counter() - started
-        if exact == width - 1 and torch.equal(logits, single[:width]):
-            exact = width
-    runner.rollback(0)
-    return {"exact_width": exact, "pass_s": pass_s}
+    return {"pass_s": pass_s}
+
+
+def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_CONTEXTS) -> dict:
+    """At each context length (capped by the model's), evaluate the same tokens one at a time and in passes of 2..8
+    tokens -> {"exact_width": {length: the largest w such that every pass of 2..w tokens gives the one-token logits
+    bit for bit (1 if none does)}}. The long context costs a prefill of that many tokens, once per machine."""
+    found = {}
+    for length in sorted({min(n, model.max_length - max(widths)) for n in contexts}):
+        tokens = _probe_tokens(model, length + max(widths))
+        runner = LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
+        runner.forward(tokens[:, :length], last_only=True)
+        single, _ = _one_token_logits(runner, tokens[:, length:])
+        exact = 1
+        for width in widths:
+            runner.rollback(length)
+            if exact == width - 1 and torch.equal(runner.forward(tokens[:, length:length + width])[0], single[:width]):
+                exact = width
+        found[str(length)] = exact
+    return {"exact_width": found}
 
 
 def _free(lib, model, context_box) -> None:
@@ -255,6 +307,8 @@ class _Context:
         params.n_batch = params.n_ubatch = BATCH
         params.n_seq_max = 1
         params.n_threads = params.n_threads_batch = model.threads
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.type_k = params.type_v = KV_CACHE_TYPES[model.kv_cache]
         params.no_perf = True
         self.ctx = lib.llama_init_from_model(model._model, params)
         if not self.ctx:
@@ -288,14 +342,21 @@ class _Context:
 class LlamaCppRunner:
     """One sequence on a LlamaCppModel: forward over new tokens (logits of each, or the last), roll back."""
 
-    def __init__(self, model: LlamaCppModel, vocab_size: int, max_verify_width: int | None = None):
+    def __init__(self, model: LlamaCppModel, vocab_size: int, private_context: int | None = None):
+        """private_context: a context of that many tokens of this runner's own (freed with the runner), leaving the
+        model's shared one alone: for the calibration, which may run while a sequence is being generated."""
         self.model = model
         self.vocab_size = vocab_size
         self.max_length = model.max_length
-        # Read by the engine. Calibrated (on first use of the model) before this runner claims the context.
-        self.max_verify_width = max_verify_width or model.exact_width
-        self.context = model._claim(self)
+        if private_context is None:
+            self.context, self._private = model._claim(self), False
+        else:
+            self.context, self._private = _Context(model, private_context), True
+            weakref.finalize(self, self.context.free)
         self._length = 0
+
+    def verify_width(self, length: int) -> int:
+        return self.model.verify_width(length)
 
     @property
     def length(self) -> int:
@@ -311,9 +372,7 @@ class LlamaCppRunner:
         rows = []
         for start in range(0, len(tokens), BATCH):
             chunk = tokens[start:start + BATCH]
-            is_last_chunk = start + BATCH >= len(tokens)
-            wanted = [False] * len(chunk) if not is_last_chunk else (
-                [False] * (len(chunk) - 1) + [True] if last_only else [True] * len(chunk))
+            wanted = [not last_only or start + i == len(tokens) - 1 for i in range(len(chunk))]
             rows += self._decode(context, chunk, wanted)
         logits = torch.from_numpy(np.stack(rows))[None]  # [1, rows, n_vocab]
         return logits[..., : self.vocab_size]
@@ -338,6 +397,10 @@ class LlamaCppRunner:
                 for i, want in enumerate(wanted) if want]
 
     def _own_context(self, needed: int) -> _Context:
+        if self._private:
+            if needed > self.context.size:
+                raise ValueError(f"{needed} tokens exceed this runner's private context of {self.context.size}")
+            return self.context
         context = self.model._context
         if context is None or context.owner is not self:
             raise RuntimeError("another sequence took over this model's llama.cpp context; start a new runner")

@@ -11,6 +11,9 @@ class SpecStats:
     target_calls: int = 0  # target forward passes, prefill included
     draft_calls: int = 0  # drafter model forward passes (0 for model-free drafters)
     cycles: int = 0  # verify passes: draft -> one target call -> accept/reject
+    # Cycles that could verify only one token because no wider pass reproduces one-token passes bit for bit at that
+    # context length on this runtime (llama.cpp's kernels, torch's dynamic int8): plain decoding, by necessity.
+    narrowed_cycles: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     new_tokens: int = 0  # tokens returned to the user (after EOS / max_new_tokens / stop truncation)
@@ -59,6 +62,7 @@ class SpecStats:
             "target_calls": self.target_calls,
             "draft_calls": self.draft_calls,
             "cycles": self.cycles,
+            "narrowed_cycles": self.narrowed_cycles,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "new_tokens": self.new_tokens,

@@ -10,7 +10,7 @@ Cache layout (root: $SPECDEC_CACHE, else ~/.cache/specdec):
     <root>/gguf/<name>-<sha>.gguf joined GGUF of a split model, kept for runtimes that read GGUF (llama.cpp)
     <root>/tokenizers/<key>/      tokenizers read out of GGUF files, for runtimes that need no conversion
     <root>/gguf-local/<key>/      conversions of user-supplied .gguf files, key = file stem, size, mtime
-    <root>/.work/                 in-progress conversions; safe to delete
+    <root>/.<name>.converting/    an in-progress conversion; safe to delete
     <root>/.locks/                one lock file per model, so that two processes never convert the same model
 
 A directory becomes visible under its final name only by a rename after the marker was written into it, so an
@@ -188,10 +188,6 @@ def cache_root() -> Path:
 
 def _model_dir(name: str) -> Path:
     return cache_root() / name
-
-
-def _work_dir() -> Path:
-    return cache_root() / ".work"
 
 
 def _read_marker(directory: Path) -> dict | None:

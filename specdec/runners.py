@@ -15,9 +15,6 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 class Runner(Protocol):
     vocab_size: int  # logits are cut to this many tokens (the vocabulary shared by target and drafter)
     max_length: int  # the model's context length
-    # Optional: the widest pass whose logits equal one-token passes bit for bit (runtimes whose kernels depend on the
-    # pass width); the engine never verifies more tokens at once. Absent: no limit.
-    max_verify_width: int | None
 
     @property
     def length(self) -> int:
@@ -28,6 +25,11 @@ class Runner(Protocol):
 
     def rollback(self, length: int) -> None:
         """Drop cache entries past `length` tokens."""
+
+    def verify_width(self, length: int) -> int | None:
+        """Optional: the widest pass whose logits equal one-token passes bit for bit after `length` cached tokens
+        (runtimes whose kernels depend on the pass width or the context length); the engine never verifies more
+        tokens at once. None, or no such method: no limit."""
 
 
 class RollbackUnsupported(ValueError):
@@ -80,7 +82,7 @@ class TorchRunner:
         # token's logits depend on the tokens verified beside it (measured: up to 0.06 apart on one layer; greedy
         # output of such an int8 target diverged on a summary prompt). Only one-token passes reproduce plain decoding
         # on such a model. specdec's own int8 (models.quantize_int8) keeps rows independent and is not limited.
-        self.max_verify_width = 1 if has_dynamic_quantization(model) else None
+        self._widest = 1 if has_dynamic_quantization(model) else None
 
     @property
     def length(self) -> int:
@@ -91,6 +93,9 @@ class TorchRunner:
         # logits_to_keep=1 skips the LM head (vocab x hidden per row) for positions nobody reads.
         out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
         return out.logits[..., : self.vocab_size].float()
+
+    def verify_width(self, length: int) -> int | None:
+        return self._widest
 
     def rollback(self, length: int) -> None:
         surplus = self.length - length

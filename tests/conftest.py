@@ -24,6 +24,34 @@ def tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = 64, layers:
     return model_class(config).to(torch.float64).eval()
 
 
+def cycling_model(cycle: str, seed: int = 0):
+    """A tiny Llama whose greedy output runs around `cycle` (distinct characters of the character tokenizer) forever:
+    every layer's output projections are zero, so the logits depend on the last token only; the embeddings are
+    orthonormal, and the output layer maps each character to the next one in the cycle (any other token to the
+    cycle's first). Its output repeats, so prompt lookup, early exit and a close draft all get long accepted runs."""
+    if len(set(cycle)) != len(cycle):
+        raise ValueError("the cycle's characters must be distinct")
+    vocab = len(CHARS) + 1
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float64).eval()
+    ids = [CHARS.index(c) + 1 for c in cycle]
+    following = {token: ids[0] for token in range(vocab)} | dict(zip(ids, ids[1:] + ids[:1]))
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embeddings = torch.linalg.qr(torch.randn(64, 64, dtype=torch.float64))[0][:vocab]  # orthonormal rows
+        model.model.embed_tokens.weight.copy_(embeddings)
+        head = torch.zeros_like(model.lm_head.weight)  # [vocab, hidden]
+        for token, successor in following.items():
+            head[successor] += embeddings[token]
+        model.lm_head.weight.copy_(head)
+    return model
+
+
 def close_draft(model, noise: float = 0.01, seed: int = 7):
     """A draft that agrees with the target most of the time: a copy of it with a little noise on every weight."""
     draft = copy.deepcopy(model)

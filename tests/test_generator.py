@@ -198,7 +198,7 @@ def test_int8_passes_reproduce_one_token_passes_bit_for_bit_and_torch_dynamic_in
                                       dtype=torch.qint8)
     together, alone = one_at_a_time_vs_together(torch_int8, ids)
     assert not torch.equal(together, alone)
-    assert new_runner(torch_int8, VOCAB).max_verify_width == 1  # such a model is verified one token at a time
+    assert new_runner(torch_int8, VOCAB).verify_width(0) == 1  # such a model is verified one token at a time
     gen = SpeculativeGenerator(torch_int8, torch_int8, k=4)
     assert gen.generate([1, 2, 3], max_new_tokens=8).stats.drafted_tokens == 0
 
@@ -209,9 +209,110 @@ def test_int8_target_speculation_equals_int8_target_only(tmp_path, tokenizer):
     tokenizer.save_pretrained(tmp_path / "target")
     gen = SpeculativeGenerator(str(tmp_path / "target"), str(tmp_path / "target"), k=4, tokenizer=tokenizer,
                                target_quantization="int8", draft_quantization="int8")
-    assert new_runner(gen.target, gen.vocab_size).max_verify_width is None
+    assert new_runner(gen.target, gen.vocab_size).verify_width(0) is None
     baseline = SpeculativeGenerator(gen.target, None, tokenizer=tokenizer)
     for prompt in ["def g(y):", "abc abc abc"]:
         out = gen.generate(prompt, max_new_tokens=16)
         assert out.token_ids == baseline.generate(prompt, max_new_tokens=16).token_ids
         assert out.stats.acceptance_rate > 0.5  # the draft: the same weights, torch's per-pass int8
+
+
+# --- stop strings at every position of a cycle, for every drafter ---------------------------------------------------
+
+CYCLE = "abcdefg 123\n"
+
+
+@pytest.fixture(scope="module")
+def cycling(tokenizer):
+    """Generators of every drafter over a target whose output repeats, so every drafter gets long accepted runs."""
+    from specdec.drafters import HybridDrafter, NgramDrafter, TargetInfo, model_drafter
+
+    from conftest import cycling_model
+
+    target = cycling_model(CYCLE)
+    draft = close_draft(target)
+    info = TargetInfo(target, tokenizer, VOCAB, torch.float64)
+    drafters = {"draft model": draft, "ngram": "ngram", "self:1": "self:1",
+                "hybrid": HybridDrafter(NgramDrafter(), model_drafter(draft, info, tokenizer))}
+    gens = {name: SpeculativeGenerator(target, spec, k=4, tokenizer=tokenizer, draft_tokenizer=tokenizer)
+            for name, spec in drafters.items()}
+    return SpeculativeGenerator(target, None, tokenizer=tokenizer), gens
+
+
+def stop_ends(cycle_lengths: list[int]) -> dict[str, int]:
+    """Where a stop string should end (tokens from the start of the output) to hit each place in a cycle."""
+    ends, start = {}, 0
+    for n in cycle_lengths:
+        if n >= 3 and start > 0:
+            ends.setdefault("first token of a cycle, the stop string spanning two cycles", start + 1)
+            ends.setdefault("middle token of a cycle", start + n // 2 + 1)
+            ends.setdefault("last token of a cycle", start + n)
+        start += n
+    return ends
+
+
+def first_ending_at(text: str, end: int) -> str:
+    """The shortest piece of text ending at `end` whose first occurrence ends there."""
+    return next(text[end - n:end] for n in range(1, end + 1) if text.find(text[end - n:end]) == end - n)
+
+
+@pytest.mark.parametrize("drafter", ["draft model", "ngram", "self:1", "hybrid"])
+def test_stop_string_ending_anywhere_in_a_cycle_ends_generation_there(cycling, drafter):
+    baseline, gens = cycling
+    gen, prompt = gens[drafter], "hello"
+    full = baseline.generate(prompt, max_new_tokens=60)
+    cycles = [len(chunk.token_ids) for chunk in gen.stream(prompt, max_new_tokens=60)]
+    ends = stop_ends(cycles)
+    assert len(ends) == 3, f"{drafter} never accepted a run of 2+ draft tokens: {cycles}"
+    for place, end in ends.items():
+        stop = first_ending_at(full.text, end)
+        out = gen.generate(prompt, max_new_tokens=60, stop=[stop])
+        chunks = list(gen.stream(prompt, max_new_tokens=60, stop=[stop]))
+        assert out.finish_reason == chunks[-1].finish_reason == "stop", place
+        assert out.text == "".join(c.text for c in chunks) == full.text[:full.text.find(stop)], place
+        assert out.token_ids == full.token_ids[:end], place  # the tokens run through the stop string, no further
+        assert out.stats.new_tokens == end, place
+
+
+def test_a_stop_string_that_recurs_stops_at_its_first_occurrence(cycling):
+    baseline, gens = cycling
+    for stop in ["\n", " 1", "3\na"]:
+        out = gens["ngram"].generate("hello", max_new_tokens=60, stop=[stop])
+        reference = baseline.generate("hello", max_new_tokens=60).text
+        assert (out.text, out.finish_reason) == (reference[:reference.find(stop)], "stop"), stop
+
+
+# --- a seed fixes the sample whatever the k policy ------------------------------------------------------------------
+
+
+class JitteryClock:
+    """perf_counter with random steps: wall-clock times that differ from run to run, as on a busy machine."""
+
+    def __init__(self):
+        self.now, self.random = 0.0, __import__("random").Random()
+
+    def perf_counter(self) -> float:
+        self.now += self.random.uniform(1e-4, 1.0)
+        return self.now
+
+
+def test_the_same_seed_gives_the_same_sample_under_k_auto(gen, monkeypatch):
+    import specdec.engine
+
+    monkeypatch.setattr(specdec.engine, "time", JitteryClock())
+    settings = dict(max_new_tokens=40, temperature=0.8, seed=3, k="auto")
+    runs = {tuple(gen.generate("abc", **settings).token_ids) for _ in range(6)}
+    assert len(runs) == 1
+
+
+def test_negative_control_a_clock_driven_k_changes_the_sample(gen, monkeypatch):
+    """What the test above guards against: k chosen from wall-clock times consumes the random stream differently."""
+    import specdec.engine
+    import specdec.generator
+    from specdec.adaptive import make_k_policy
+
+    monkeypatch.setattr(specdec.engine, "time", JitteryClock())
+    monkeypatch.setattr(specdec.generator, "make_k_policy", lambda k, timed, **priors: make_k_policy(k, **priors))
+    settings = dict(max_new_tokens=40, temperature=0.8, seed=3, k="auto")
+    runs = {tuple(gen.generate("abc", **settings).token_ids) for _ in range(6)}
+    assert len(runs) > 1

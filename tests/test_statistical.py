@@ -7,6 +7,7 @@ target's distribution over every 2-3 token continuation can be enumerated and co
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -35,14 +36,32 @@ class RepeatDrafter(Drafter):
         return Proposal(context[:, -1:].repeat(1, k))
 
 
+def reference_probs(logits: torch.Tensor, sampling: SamplingConfig) -> list[float]:
+    """Temperature, then top-k, then top-p, written out plainly: the oracle shares no code with specdec.sampling, so
+    a warping bug there cannot hide in the expected distribution too (tests/test_sampling.py checks it directly)."""
+    scaled = [float(x) / sampling.temperature for x in logits]
+    ranked = sorted(range(len(scaled)), key=lambda i: scaled[i], reverse=True)
+    kept = ranked[: sampling.top_k] if sampling.top_k else ranked
+    weights = {i: math.exp(scaled[i] - scaled[ranked[0]]) for i in kept}
+    if sampling.top_p is not None:
+        total, mass, nucleus = sum(weights.values()), 0.0, {}
+        for i in kept:  # most likely first, while the tokens before hold less than top_p
+            if mass >= sampling.top_p:
+                break
+            nucleus[i] = weights[i]
+            mass += weights[i] / total
+        weights = nucleus
+    total = sum(weights.values())
+    return [weights.get(i, 0.0) / total for i in range(len(scaled))]
+
+
 def target_distribution(runner: ToyRunner, n_new: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
     """Exact probability of every n_new-token continuation of PROMPT under the warped target."""
     out = {}
     for seq in itertools.product(range(VOCAB), repeat=n_new):
         prob = 1.0
         for i, token in enumerate(seq):
-            probs = logits_to_probs(runner.logits_after(tuple(PROMPT) + seq[:i]), sampling)
-            prob *= float(probs[token])
+            prob *= reference_probs(runner.logits_after(tuple(PROMPT) + seq[:i]), sampling)[token]
         out[seq] = prob
     return out
 
@@ -111,4 +130,19 @@ def test_negative_control_wrong_verifier_is_detected(case, monkeypatch):
     counts = {s: c for s, c in sample_sequences(make_drafter, k, n_new, sampling).items()}
     rare = {s for s, p in expected.items() if p == 0}
     # Either it samples sequences the target never emits, or the frequencies are off.
+    assert set(counts) & rare or chi_square_p_value(counts, expected) < ALPHA
+
+
+def ignore_top_k(logits, sampling):
+    """A deliberately wrong warper: forgets top-k."""
+    return logits_to_probs(logits, SamplingConfig(sampling.temperature, None, sampling.top_p))
+
+
+def test_negative_control_wrong_warping_is_detected(monkeypatch):
+    """The oracle is independent of specdec.sampling: a warping bug shows up as a distribution mismatch."""
+    monkeypatch.setattr(specdec.engine, "logits_to_probs", ignore_top_k)
+    make_drafter, k, n_new, sampling = CASES["temperature 0.7 + top-k 3, k=3, 2 tokens"]
+    expected = target_distribution(ToyRunner(VOCAB, seed=0), n_new, sampling)
+    counts = sample_sequences(make_drafter, k, n_new, sampling)
+    rare = {s for s, p in expected.items() if p == 0}
     assert set(counts) & rare or chi_square_p_value(counts, expected) < ALPHA
