@@ -69,3 +69,56 @@ def test_the_pair_runs_in_a_fraction_of_the_fp32_memory(pair):
     assert speculative.target.path == registry.gguf_file(registry.DEFAULT_TARGET, progress=False)
     assert speculative.draft.path == registry.gguf_file(registry.DEFAULT_DRAFT, progress=False)
     assert speculative.vocab_size == len(speculative.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def long_prompt(pair) -> list[int]:
+    """Real code far past 512 tokens: HumanEval prompts, one after another, cut at 1,600 tokens."""
+    speculative, _ = pair
+    ids = speculative.tokenizer("\n\n".join(human_eval_prompts(20)))["input_ids"]
+    assert len(ids) > 1600
+    return ids[:1600]
+
+
+def test_long_prompt_greedy_speculation_equals_target_only(pair, long_prompt):
+    speculative, baseline = pair
+    reference = baseline.generate(long_prompt, max_new_tokens=NEW_TOKENS)
+    out = SpeculativeGenerator(speculative.target, "ngram", k=4, tokenizer=speculative.tokenizer).generate(
+        long_prompt, max_new_tokens=NEW_TOKENS)
+    assert out.token_ids == reference.token_ids
+    assert out.stats.drafted_tokens > 0 and out.stats.narrowed_cycles == 0
+
+
+def test_verify_passes_at_a_long_context_equal_one_token_passes(pair, long_prompt):
+    import torch
+
+    speculative, _ = pair
+    target = speculative.target
+    widest = target.verify_width(len(long_prompt))
+    assert widest >= 3
+    ids = torch.tensor([long_prompt])
+    prefix = ids.shape[1] - widest
+    runner = target.new_runner(speculative.vocab_size)
+    runner.forward(ids[:, :prefix], last_only=True)
+    single = torch.cat([runner.forward(ids[:, i:i + 1])[0] for i in range(prefix, ids.shape[1])])
+    for width in range(2, widest + 1):
+        runner.rollback(prefix)
+        assert torch.equal(runner.forward(ids[:, prefix:prefix + width])[0], single[:width]), width
+
+
+def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(pair, long_prompt):
+    """The same tokens as llama-cpp-python's `Llama.generate` over the same cache settings, short and long prompts."""
+    from specdec import llamacpp
+    from specdec.bench.llama_peer import LlamaCppPythonPeer
+
+    speculative, baseline = pair
+    target = speculative.target
+    cache = llamacpp.KV_CACHE_TYPES[target.kv_cache]
+    peer = LlamaCppPythonPeer(str(target.path), dict(n_threads=target.threads, n_threads_batch=target.threads,
+                                                     flash_attn=True, type_k=cache, type_v=cache))
+    try:
+        for prompt in [speculative.tokenizer(human_eval_prompts(3)[2])["input_ids"], long_prompt]:
+            theirs = peer.generate(prompt, 32, baseline.eos_ids)
+            assert baseline.generate(prompt, max_new_tokens=32).token_ids == theirs
+    finally:
+        peer.close()

@@ -115,6 +115,7 @@ def _run(args) -> int:
     results = new_results(preset, _command_line(args), settings)
     hf_logging.set_verbosity_error()  # generate()'s per-call notices would bury the progress
     previous_handler = _sigterm_interrupts()
+    schedule = None
     try:
         schedule = _prepare(args, preset, candidates, results)
         save(results, path)
@@ -130,6 +131,11 @@ def _run(args) -> int:
         if previous_handler is not None:
             signal.signal(signal.SIGTERM, previous_handler)
         torch.set_num_threads(threads)
+        if schedule is not None:
+            results["methods"] = _describe(schedule)  # again: a peer may have had to change how it loads
+            for _, methods in schedule.by_temperature:
+                for method in methods:
+                    method.close()
         results["wall_s"] = time.perf_counter() - started
         results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         results["machine"]["load_average_at_end"] = list(os.getloadavg())
@@ -198,8 +204,12 @@ def _prepare(args, preset, candidates, results: dict):
         warm_up(schedule, results["skipped"])
     for spec, reason in results["skipped"].items():
         print(f"skipping {spec}: {reason}", file=sys.stderr)
-    results["methods"] = {m.label: m.describe() for _, methods in schedule.by_temperature for m in methods}
+    results["methods"] = _describe(schedule)
     return schedule
+
+
+def _describe(schedule) -> dict:
+    return {m.label: m.describe() for _, methods in schedule.by_temperature for m in methods}
 
 
 def _finish(results: dict, out_dir: Path, path: Path) -> int:

@@ -47,6 +47,9 @@ class Method:
     def describe(self) -> dict:
         return {"spec": self.spec, "family": self.family, "k": self.k, "uses_draft_model": self.uses_draft_model}
 
+    def close(self) -> None:
+        """Release what the method holds beyond the shared models (a worker process)."""
+
 
 class Ours(Method):
     family = "ours"
@@ -95,41 +98,30 @@ class Transformers(Method):
 class LlamaCppPython(Method):
     """llama-cpp-python's own `Llama.generate` loop, greedy, optionally with its prompt-lookup speculation.
 
-    It loads the same GGUF file again (memory-mapped, so the weights are shared through the page cache) with its
-    own context, sized for the longest prompt plus max_new_tokens at the first run.
+    It loads the same GGUF file again (memory-mapped, so the weights are shared through the page cache) in a worker
+    process of its own (bench.llama_peer: a crash there cannot take the benchmark down), with llama.cpp's default
+    context settings: what a user of llama.cpp runs.
     """
 
     family = "llama-cpp-python"
 
     def __init__(self, label: str, model, eos_ids: frozenset[int], lookup_tokens: int | None = None):
-        self.label, self.model, self.eos_ids, self.lookup_tokens = label, model, eos_ids, lookup_tokens
-        self.llama = None
+        from specdec.bench.llama_peer import LlamaCppPythonPeer
 
-    def _load(self, n_ctx: int):
-        import llama_cpp
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        draft = LlamaPromptLookupDecoding(num_pred_tokens=self.lookup_tokens) if self.lookup_tokens else None
-        # Its speculation reads the logits of every position, so it keeps them all (n_ctx x vocab floats).
-        self.llama = llama_cpp.Llama(str(self.model.path), n_ctx=n_ctx, n_threads=self.model.threads,
-                                     n_threads_batch=self.model.threads, n_batch=512, n_gpu_layers=0,
-                                     draft_model=draft, logits_all=draft is not None, verbose=False)
+        self.label, self.eos_ids, self.lookup_tokens = label, eos_ids, lookup_tokens
+        settings = dict(n_threads=model.threads, n_threads_batch=model.threads, n_batch=512)
+        self.peer = LlamaCppPythonPeer(str(model.path), settings, lookup_tokens)
 
     def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Output:
         if temperature > 0:
             raise ValueError("the llama-cpp-python peers run greedy only")
-        needed = prompt_ids.shape[1] + max_new_tokens + (self.lookup_tokens or 0) + 1
-        if self.llama is None or self.llama.n_ctx() < needed:
-            self._load(max(needed, 1024))
-        new = []
-        for token in self.llama.generate(prompt_ids[0].tolist(), temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
-                                         repeat_penalty=1.0, reset=True):
-            if token in self.eos_ids:
-                break
-            new.append(token)
-            if len(new) >= max_new_tokens:
-                break
-        return Output(new)
+        return Output(self.peer.generate(prompt_ids[0].tolist(), max_new_tokens, self.eos_ids))
+
+    def describe(self) -> dict:
+        return {**super().describe(), "loaded_as": self.peer.loaded_as}
+
+    def close(self) -> None:
+        self.peer.close()
 
 
 PEERS = ("hf-generate", "hf-assisted", "hf-lookup", "llama-generate", "llama-lookup")
