@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 from specdec.adaptive import AdaptiveK, FixedK
 from specdec.drafters import (DRAFTERS, Drafter, EarlyExitRunner, HybridDrafter, ModelDrafter, NgramDrafter,
-                              Proposal, TargetInfo, build_drafter, early_exit_drafter)
+                              Proposal, SuffixDrafter, TargetInfo, build_drafter, early_exit_drafter, suffix_draft)
+from specdec.drafters.suffix import SEPARATOR
 from specdec.engine import speculative_decode
 from specdec.generator import SpeculativeGenerator
 from specdec.metrics import SpecStats
@@ -84,6 +86,63 @@ def test_ngram_greedy_equals_plain_greedy(target, k):
         assert got == reference_greedy(target, prompt, NEW_TOKENS), (k, prompt)
         drafted += stats.drafted_tokens
     assert drafted > 0  # the repetitive prompts (and outputs) did give lookups something to propose
+
+
+# --- suffix drafting -------------------------------------------------------------------------------------------------
+
+def corpus(*documents) -> np.ndarray:
+    """Documents joined with the separator, the last one being the current context."""
+    return np.array([t for doc in documents[:-1] for t in [*doc, SEPARATOR]] + list(documents[-1]))
+
+
+def test_suffix_draft_follows_the_longest_match_not_the_latest_short_one():
+    # "1 2 3" was followed by 4 5; later "3" alone was followed by 9. The context ends in 1 2 3.
+    draft, matched, _ = suffix_draft(corpus([1, 2, 3, 4, 5, 0, 3, 9, 7, 1, 2, 3]), k=2, min_probability=0.0)
+    assert (draft, matched) == ([4, 5], 3)
+
+
+def test_suffix_draft_takes_the_most_frequent_continuation_and_its_share():
+    context = [7, 8, 1, 7, 8, 1, 7, 8, 2, 0, 7, 8]  # after 7 8: 1, 1, 2 -> 1 (2 of 3)
+    draft, matched, probabilities = suffix_draft(corpus(context), k=1, min_probability=0.0)
+    assert draft == [1] and matched == 2 and probabilities == [pytest.approx(2 / 3)]
+
+
+def test_suffix_draft_stops_when_the_occurrences_disagree_too_much():
+    context = [5, 1, 5, 2, 5, 3, 5, 4, 5]  # four different continuations of 5: 1/4 each
+    assert suffix_draft(corpus(context), k=4, min_probability=0.3)[0] == []
+    assert suffix_draft(corpus(context), k=1, min_probability=0.2)[0] == [1]  # ties: the smallest id
+
+
+def test_suffix_draft_grows_with_the_match_and_never_crosses_a_document_boundary():
+    earlier = list(range(10, 30))  # an earlier request's text
+    assert suffix_draft(corpus(earlier, list(range(10, 16))), k=16) == (list(range(16, 22)), 6, [1.0] * 6)
+    assert suffix_draft(corpus([4, 1], [9, 4]), k=8) == ([1], 1, [1.0])  # a one-token match drafts one token
+    assert suffix_draft(corpus([1, 2], [2]), k=8) == ([], 1, [])  # 2 ended its document: nothing follows it
+    assert suffix_draft(np.array([1, 2, 3]), k=3) == ([], 0, [])
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_suffix_greedy_equals_plain_greedy(target, k):
+    drafter, drafted = SuffixDrafter(), 0
+    for prompt in PROMPTS:
+        got, stats = decode(target, drafter, prompt, k)
+        assert got == reference_greedy(target, prompt, NEW_TOKENS), (k, prompt)
+        drafted += stats.drafted_tokens
+    assert drafted > 0
+
+
+def test_suffix_remembers_earlier_requests():
+    """The second time a prompt comes, the first answer is in the history: the drafter proposes it in long runs."""
+    target = tiny_model("llama", seed=0, layers=2)
+    drafter = SuffixDrafter()
+    prompt = PROMPTS[1]
+    first, first_stats = decode(target, drafter, prompt, 8)
+    second, second_stats = decode(target, drafter, prompt, 8)
+    assert second == first == reference_greedy(target, prompt, NEW_TOKENS)
+    assert second_stats.accepted_tokens > first_stats.accepted_tokens + NEW_TOKENS // 2
+    forgetful = SuffixDrafter(max_history_tokens=0)
+    decode(target, forgetful, prompt, 8)
+    assert decode(target, forgetful, prompt, 8)[1].accepted_tokens == first_stats.accepted_tokens
 
 
 # --- self-speculation (early exit) -----------------------------------------------------------------------------------
@@ -229,7 +288,7 @@ def test_adaptive_k_drafts_long_with_a_free_drafter_that_is_always_accepted(targ
 
 # --- through the user-facing API -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("draft", ["ngram", "ngram:2", "self:1", "self:3", "self"])
+@pytest.mark.parametrize("draft", ["ngram", "ngram:2", "suffix", "suffix:4", "self:1", "self:3", "self"])
 @pytest.mark.parametrize("k", [3, "auto"])
 def test_generator_by_drafter_name_equals_target_only(target, draft, k):
     baseline = SpeculativeGenerator(target, None).generate(PROMPTS[3], max_new_tokens=20)
@@ -255,6 +314,9 @@ SAMPLING_CASES = {
     # k=2, 3 tokens (~3.5 forwards) would take ~100 s; the cache-sync paths are covered by the greedy tests above.
     "early exit (self:1), k=1, 2 tokens, top-k 4": (early_exit_toy_draft, test_statistical.PROMPT, 1, 2,
                                                     SamplingConfig(temperature=0.9, top_k=4)),
+    # The history of earlier samples (a short one, to stay quick) makes the drafts vary from generation to generation.
+    "suffix with earlier requests, k=3, 3 tokens": (lambda: SuffixDrafter(max_history_tokens=60), [1, 4, 2, 1, 4], 3,
+                                                    3, SamplingConfig(temperature=1.0)),
 }
 
 

@@ -380,3 +380,27 @@ def test_without_llama_cpp_python_the_error_says_how_to_get_it(gguf_path, monkey
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
     with pytest.raises(LlamaCppUnavailable, match="make setup"):
         SpeculativeGenerator(gguf_path, None, runtime="llama.cpp")
+
+
+def test_a_crashed_llama_cpp_python_worker_is_restarted_without_repacked_weights(gguf_path, model):
+    """On an AMX Xeon llama.cpp's default weight layouts crash its own loop. Here the worker is killed the same way
+    (SIGSEGV) between two requests: the caller lives on, the peer reloads with the layouts off and says so."""
+    import os
+    import signal
+
+    from specdec.bench.llama_peer import LlamaCppPythonPeer, PeerCrashed
+
+    _, tokenizer = model
+    prompt = tokenizer(PROMPTS[1])["input_ids"]
+    peer = LlamaCppPythonPeer(gguf_path, dict(n_threads=1, n_threads_batch=1))
+    try:
+        first = peer.generate(prompt, 8, frozenset())
+        assert peer.loaded_as.startswith("llama.cpp defaults")
+        os.kill(peer._process.pid, signal.SIGSEGV)
+        assert peer.generate(prompt, 8, frozenset()) == first
+        assert "SIGSEGV" in peer.loaded_as and "repacked weight layouts off" in peer.loaded_as
+        os.kill(peer._process.pid, signal.SIGSEGV)  # a crash with the layouts off too: an error, not a hang
+        with pytest.raises(PeerCrashed, match="SIGSEGV"):
+            peer.generate(prompt, 8, frozenset())
+    finally:
+        peer.close()

@@ -195,6 +195,11 @@ def markdown(results: dict, rows: list[dict], plots: dict[str, str]) -> str:
                       "numerical near-tie flipped by the batch shape of a verify pass, or a bug. hf-generate is the "
                       "sanity check of the timing: it does what target-only does, so a speed-up far from 1.00x there "
                       "measures machine drift (or per-token overhead), not a method.", ""]
+    peers = [f"- {label}: {info['loaded_as']}" for label, info in results.get("methods", {}).items()
+             if info.get("loaded_as")]
+    if peers:
+        lines += ["How the peers loaded the model (each in a worker process of its own, with llama.cpp's default "
+                  "context settings: an f16 KV cache, so its tokens may differ slightly from ours):", "", *peers, ""]
     lines += _costs_section(results.get("costs"))
     lines += _prediction_section(rows)
     lines += _position_section(rows)

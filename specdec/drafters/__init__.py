@@ -76,5 +76,7 @@ __all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "NoDrafter", "Proposal", "Targ
 from specdec.drafters.early_exit import EarlyExitRunner, early_exit_drafter  # noqa: E402
 from specdec.drafters.hybrid import HybridDrafter  # noqa: E402
 from specdec.drafters.ngram import NgramDrafter, find_continuation  # noqa: E402
+from specdec.drafters.suffix import SuffixDrafter, suffix_draft  # noqa: E402
 
-__all__ += ["EarlyExitRunner", "HybridDrafter", "NgramDrafter", "early_exit_drafter", "find_continuation"]
+__all__ += ["EarlyExitRunner", "HybridDrafter", "NgramDrafter", "SuffixDrafter", "early_exit_drafter",
+            "find_continuation", "suffix_draft"]
