@@ -7,8 +7,9 @@ from typing import Iterator, Sequence
 
 import torch
 
-from specdec.adaptive import make_k_policy
-from specdec.drafters import TargetInfo, build_drafter
+from specdec.adaptive import AdaptiveK, make_k_policy
+from specdec.drafters import ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
+from specdec.drafters.choice import ChoosingDrafter, Costs
 from specdec.engine import speculative_decode
 from specdec.metrics import SpecStats
 from specdec.models import load_model, own_vocab_size, pick_runtime
@@ -38,7 +39,9 @@ class GenerationResult:
 class SpeculativeGenerator:
     """Generates with a target model while a drafter guesses ahead; output is distributed exactly as the target's.
 
-    k: draft tokens per cycle, or "auto" to choose k each cycle from the acceptance and costs observed so far.
+    k: draft tokens per cycle, or "auto" (default) to choose k each cycle from the acceptance and costs observed so
+    far; with a draft model on a runtime that calibrates its costs (llama.cpp), "auto" also chooses each cycle between
+    suffix lookup, the draft model and plain decoding (drafters.choice).
     draft_quantization="int8" runs the draft model with int8 weights: cheaper drafts, exactness untouched (the target
     decides). target_quantization="int8" changes the target itself (a slightly different model, much faster on a CPU);
     output is then exact relative to that int8 target: its passes over several tokens reproduce one-token passes bit
@@ -53,7 +56,7 @@ class SpeculativeGenerator:
     threads: CPU threads (llama.cpp: per model; torch: sets torch's intra-op threads). Default: every core we have.
     """
 
-    def __init__(self, target, draft=None, k: int | str = 4, *, tokenizer=None, draft_tokenizer=None,
+    def __init__(self, target, draft=None, k: int | str = "auto", *, tokenizer=None, draft_tokenizer=None,
                  dtype: torch.dtype = torch.float32, target_quantization: str | None = None,
                  draft_quantization: str | None = None, runtime: str = "auto", threads: int | None = None):
         make_k_policy(k)  # refuse a bad k now rather than at the first request
@@ -67,6 +70,12 @@ class SpeculativeGenerator:
         info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype, draft_quantization, self.runtime,
                           threads)
         self.drafter, self.draft = build_drafter(draft, info, draft_tokenizer)
+        if (k == "auto" and isinstance(self.drafter, ModelDrafter) and hasattr(self.target, "verify_cost")
+                and hasattr(self.draft, "step_s")):
+            # Where the runtime has calibrated its costs, "auto" also chooses how to draft, each cycle: suffix
+            # lookup (free), the draft model, or nothing.
+            costs = Costs(self.target.verify_cost, self.draft.step_s / self.target.step_s)
+            self.drafter = ChoosingDrafter(SuffixDrafter(), self.drafter, costs)
         self.eos_ids = _eos_ids(self.target, self.tokenizer)
 
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> torch.Tensor:
@@ -97,7 +106,11 @@ class SpeculativeGenerator:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         # A seeded sample must not depend on the clock: k decides how the random stream is consumed.
         timed = sampling.greedy or seed is None
-        k_policy = make_k_policy(self.k if k is None else k, timed=timed, **self._k_priors())
+        k = self.k if k is None else k
+        if getattr(self.drafter, "chooses_k", False):  # the drafter decides; k only caps it
+            k_policy = make_k_policy(AdaptiveK().k_max if k == "auto" else k)
+        else:
+            k_policy = make_k_policy(k, timed=timed, **self._k_priors())
         prompt_ids = self.encode(prompt, chat)
         runner = new_runner(self.target, self.vocab_size)
         if prompt_ids.shape[1] >= runner.max_length:

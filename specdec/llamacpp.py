@@ -173,6 +173,15 @@ class LlamaCppModel:
         slopes = sorted((s / pass_s[1] - 1) / (w - 1) for w, s in pass_s.items() if w > 1)
         return max(0.0, slopes[len(slopes) // 2]) if slopes else 0.0
 
+    def verify_cost(self, width: int) -> float:
+        """Seconds of a pass over `width` tokens in one-token passes, from the calibrated curve (a straight line at
+        the median slope beyond its widest point)."""
+        pass_s = {int(w): s for w, s in self.costs["pass_s"].items()}
+        widest = max(pass_s)
+        if width <= widest:
+            return pass_s[width] / pass_s[1]
+        return pass_s[widest] / pass_s[1] + self.verify_slope * (width - widest)
+
     @property
     def step_s(self) -> float:
         """Seconds of one one-token pass (at the calibration's short context)."""

@@ -152,7 +152,9 @@ def build_method(spec: str, gen: SpeculativeGenerator, default_k: int | str = 4)
     if name == "draft":
         if gen.draft is None and gen.drafter.name == "none":
             raise MethodUnavailable("no draft given (--draft none)")
-        return Ours(f"draft@{k}", gen, k, gen.draft is not None)
+        # draft@auto is gen's own drafter (with a draft model: the per-cycle choice); draft@K the draft model alone.
+        drafter = gen.drafter if k == "auto" else getattr(gen.drafter, "model_drafter", None) or gen.drafter
+        return Ours(f"draft@{k}", _sibling(gen, drafter, k), k, gen.draft is not None)
     drafter_name, _, arg = name.partition(":")
     if drafter_name not in DRAFTERS:
         raise MethodUnavailable(f"no drafter {drafter_name!r} in specdec.drafters.DRAFTERS "
@@ -174,9 +176,9 @@ def _parse_k(text: str) -> int | str:
     return text if text == "auto" else int(text)
 
 
-def _sibling(gen: SpeculativeGenerator, drafter) -> SpeculativeGenerator:
+def _sibling(gen: SpeculativeGenerator, drafter, k: int | str = "auto") -> SpeculativeGenerator:
     """Another generator on gen's loaded target (shared, never copied) and runtime."""
-    return SpeculativeGenerator(gen.target, drafter, tokenizer=gen.tokenizer, runtime=gen.runtime)
+    return SpeculativeGenerator(gen.target, drafter, k, tokenizer=gen.tokenizer, runtime=gen.runtime)
 
 
 def _peer(name: str, gen: SpeculativeGenerator) -> Method:

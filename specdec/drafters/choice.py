@@ -1,0 +1,91 @@
+"""Choosing, every cycle, how to speculate: suffix lookup, the draft model, or not at all, and how far.
+
+Each option's expected tokens per second of target time is estimated from the runtime's calibrated costs (a target
+pass over w tokens, a draft-model step, both in target steps) and from the acceptance each option has had so far in
+this request (Leviathan et al. 2023, eq. 1: a cycle of k draft tokens accepted with probability a each emits
+(1 - a^(k+1)) / (1 - a) tokens). Lookup costs nothing to try, so its proposal is made first and weighed as it is; the
+draft model's k is the best for its acceptance; plain decoding yields one token per one-token pass. The choice uses no
+clock, so a seeded sample repeats exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from specdec.adaptive import best_k, expected_tokens
+from specdec.drafters.base import Drafter, Proposal
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Calibrated costs in units of one one-token target pass."""
+    verify: Callable[[int], float]  # a target pass over w tokens (draft tokens + 1)
+    draft_step: float  # one draft-model step
+
+
+class _Acceptance:
+    """Exponentially weighted accepted / tested draft tokens, with a prior worth `weight` trials."""
+
+    def __init__(self, prior: float, weight: float, decay: float):
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.successes = self.trials = 0.0
+
+    def observe(self, n_drafted: int, n_accepted: int) -> None:
+        # Tested tokens: the accepted ones and the first rejected one (the ones after it were never checked).
+        self.successes = self.decay * self.successes + n_accepted
+        self.trials = self.decay * self.trials + n_accepted + (n_accepted < n_drafted)
+
+    @property
+    def rate(self) -> float:
+        return (self.successes + self.weight * self.prior) / (self.trials + self.weight)
+
+
+class ChoosingDrafter(Drafter):
+    """Per cycle, the option with the most expected tokens per unit of target time: `lookup`'s proposal, `model`
+    drafting its best k, or nothing (a plain target step). k from the engine is a cap."""
+
+    name = "auto"
+    chooses_k = True  # the engine's k is only a cap: this drafter decides how many tokens to draft
+
+    def __init__(self, lookup: Drafter, model: Drafter | None, costs: Costs,
+                 prior_acceptance: float = 0.6,  # cautious: Leviathan et al. 2023 measure 0.5-0.9 for same-family pairs
+                 prior_weight: float = 2.0, decay: float = 0.9):
+        self.lookup, self.model_drafter, self.costs = lookup, model, costs
+        self.prior = (prior_acceptance, prior_weight, decay)
+        self.begin(None)
+
+    def begin(self, prompt_ids) -> None:
+        """A new request: its estimates start from the priors (a request's choices depend on it alone, so that the
+        same seeded request gives the same sample whatever ran before)."""
+        if prompt_ids is not None:
+            self.lookup.begin(prompt_ids)
+            if self.model_drafter is not None:
+                self.model_drafter.begin(prompt_ids)
+        self.acceptance = {name: _Acceptance(*self.prior) for name in ("lookup", "model")}
+        self.chosen: str | None = None  # what the target is verifying: "lookup", "model" or None
+        self.choices = {"lookup": 0, "model": 0, "none": 0}  # cycles each option was chosen, for the curious
+
+    def propose(self, context, k, sampling, generator) -> Proposal:
+        verify = self.costs.verify
+        options = {"none": (1.0 / verify(1), 0)}  # (expected tokens per target step, draft tokens)
+        proposal = self.lookup.propose(context, k, sampling, generator) if k > 0 else Proposal.empty()
+        n = proposal.tokens.shape[1]
+        if n:
+            options["lookup"] = (expected_tokens(self.acceptance["lookup"].rate, n) / verify(n + 1), n)
+        if self.model_drafter is not None and k > 0:
+            a, c = self.acceptance["model"].rate, self.costs.draft_step
+            k_model = best_k(a, c, verify, k)
+            options["model"] = (expected_tokens(a, k_model) / (k_model * c + verify(k_model + 1)), k_model)
+        choice = max(options, key=lambda name: options[name][0])  # ties: the first, plain decoding
+        self.choices[choice] += 1
+        self.chosen = None if choice == "none" else choice
+        if choice == "model":
+            return self.model_drafter.propose(context, options["model"][1], sampling, generator)
+        return proposal if choice == "lookup" else Proposal.empty(context.shape[0])
+
+    def accept(self, n_drafted: int, n_accepted: int) -> None:
+        if self.chosen is None:
+            return
+        self.acceptance[self.chosen].observe(n_drafted, n_accepted)
+        (self.lookup if self.chosen == "lookup" else self.model_drafter).accept(n_drafted, n_accepted)
