@@ -16,7 +16,7 @@ WHEELS ?= $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/wheels/$(CPU_KEY)
 LLAMA_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DLLAVA_BUILD=OFF
 
-.PHONY: setup models demo test test-fast bench clean llama-cpp-wheel
+.PHONY: setup models models-llama-cpp demo test test-fast bench clean llama-cpp-wheel
 
 setup: $(VENV)/.installed $(VENV)/.llama-cpp
 
@@ -42,11 +42,15 @@ $(VENV)/.llama-cpp: $(VENV)/.installed
 	$(BIN)/python -m pip install --quiet --no-deps --no-index --find-links $(WHEELS) $(LLAMA_CPP)
 	touch $@
 
-models: setup
-	$(BIN)/specdec models pull $(MODELS)
+# The verified GGUF files: all that the default (llama.cpp) runtime needs.
+models-llama-cpp: setup
 	$(BIN)/specdec models pull --runtime llama.cpp $(MODELS)
 
-demo: models
+# Also the fp32 transformers copies that the torch runtime (and its real-model tests) load: ~2 minutes, ~9 GB peak RSS.
+models: models-llama-cpp
+	$(BIN)/specdec models pull $(MODELS)
+
+demo: models-llama-cpp
 	$(BIN)/specdec generate --chat --compare --max-new-tokens 96 --prompt "$(DEMO_PROMPT)"
 
 # The whole suite, real-model tests included (they fail rather than skip when the models are missing).
@@ -57,7 +61,7 @@ test: models
 test-fast: setup
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not real_model"
 
-bench: models
+bench: models-llama-cpp
 	$(BIN)/specdec bench --preset quick
 
 clean:

@@ -82,6 +82,7 @@ def run_generate(args) -> int:
             warm.generate(args.prompt, **{**settings, "max_new_tokens": min(2, args.max_new_tokens)})
     out = gen.generate(args.prompt, **settings)
     baseline = plain.generate(args.prompt, **settings) if args.compare else None
+    llama_cpp = _plain_llama_cpp(gen, args, settings) if args.compare else None
     if args.json:
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                   "stats": out.stats.to_dict()}
@@ -89,6 +90,8 @@ def run_generate(args) -> int:
             record["baseline"] = {"tokens_per_s": baseline.stats.tokens_per_s,
                                   "identical": baseline.token_ids == out.token_ids,
                                   "speedup": out.stats.tokens_per_s / baseline.stats.tokens_per_s}
+        if llama_cpp is not None:
+            record["llama_cpp"] = {"tokens_per_s": llama_cpp, "speedup": out.stats.tokens_per_s / llama_cpp}
         print(json.dumps(record))
         return 0
     from specdec.display import print_marked, summary_line
@@ -99,7 +102,29 @@ def run_generate(args) -> int:
         same = "identical output" if baseline.token_ids == out.token_ids else "different samples"
         print(f"target-only: {baseline.stats.tokens_per_s:.2f} tokens/s -> speed-up "
               f"{out.stats.tokens_per_s / baseline.stats.tokens_per_s:.2f}x ({same})")
+    if llama_cpp is not None:
+        print(f"plain llama.cpp (llama-cpp-python's own loop, its default settings, same file): {llama_cpp:.2f} "
+              f"tokens/s -> speed-up {out.stats.tokens_per_s / llama_cpp:.2f}x")
     return 0
+
+
+def _plain_llama_cpp(gen, args, settings: dict) -> float | None:
+    """Tokens/s of llama.cpp's own greedy loop on the target's file (llama.cpp runtime, greedy only), warmed up."""
+    import time
+
+    from specdec.llama_peer import LlamaCppPythonPeer, plain_settings
+
+    if gen.runtime != "llama.cpp" or args.temperature > 0:
+        return None
+    prompt = gen.encode(args.prompt, args.chat)[0].tolist()
+    peer = LlamaCppPythonPeer(str(gen.target.path), plain_settings(gen.target))
+    try:
+        peer.generate(prompt, min(2, args.max_new_tokens), gen.eos_ids)  # loads the model: untimed
+        started = time.perf_counter()
+        tokens = peer.generate(prompt, args.max_new_tokens, gen.eos_ids)
+        return len(tokens) / (time.perf_counter() - started)
+    finally:
+        peer.close()
 
 
 # name -> function that adds the subcommand's parser (and sets its handler as `func`)

@@ -77,7 +77,7 @@ def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tenso
         stats.verify_s += verified - tock
         stats.target_calls += calls
         stats.draft_calls += proposal.forward_calls
-        stats.observe(draft.shape[1], n_accepted)
+        stats.observe(draft.shape[1], n_accepted, proposal.source or drafter.name)
 
         new = tokens[0, : n_accepted + 1].tolist()
         step = _truncate(new, n_accepted, budget, eos_ids)

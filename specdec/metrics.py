@@ -20,13 +20,17 @@ class SpecStats:
     emitted_per_cycle: Counter = field(default_factory=Counter)  # histogram: tokens emitted by a cycle -> count
     drafted_by_position: list[int] = field(default_factory=list)  # [i]: cycles that drafted a token at position i
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: cycles whose draft token i was accepted
+    # drafter name -> [cycles, drafted tokens, accepted tokens]: who drafted, where a drafter delegates per cycle
+    by_drafter: dict[str, list[int]] = field(default_factory=dict)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
 
-    def observe(self, n_drafted: int, n_accepted: int) -> None:
-        """Record one verify cycle that drafted n_drafted tokens and accepted the first n_accepted of them."""
+    def observe(self, n_drafted: int, n_accepted: int, drafter: str = "drafter") -> None:
+        """Record one verify cycle in which `drafter` drafted n_drafted tokens, the first n_accepted accepted."""
+        counts = self.by_drafter.setdefault(drafter, [0, 0, 0])
+        counts[0], counts[1], counts[2] = counts[0] + 1, counts[1] + n_drafted, counts[2] + n_accepted
         self.cycles += 1
         self.drafted_tokens += n_drafted
         self.accepted_tokens += n_accepted
@@ -71,6 +75,8 @@ class SpecStats:
             "tokens_per_s": self.tokens_per_s,
             "emitted_per_cycle": {str(n): c for n, c in sorted(self.emitted_per_cycle.items())},
             "acceptance_by_position": self.acceptance_by_position,
+            "by_drafter": {name: {"cycles": c, "drafted_tokens": d, "accepted_tokens": a}
+                           for name, (c, d, a) in self.by_drafter.items()},
             "time_s": {
                 "prefill": self.prefill_s,
                 "draft": self.draft_s,

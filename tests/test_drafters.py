@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from specdec.adaptive import AdaptiveK, FixedK
 from specdec.drafters import (DRAFTERS, Drafter, EarlyExitRunner, HybridDrafter, ModelDrafter, NgramDrafter,
                               Proposal, SuffixDrafter, TargetInfo, build_drafter, early_exit_drafter, suffix_draft)
+from specdec.drafters.choice import ChoosingDrafter, Costs
 from specdec.drafters.suffix import SEPARATOR
 from specdec.engine import speculative_decode
 from specdec.generator import SpeculativeGenerator
@@ -143,6 +144,48 @@ def test_suffix_remembers_earlier_requests():
     forgetful = SuffixDrafter(max_history_tokens=0)
     decode(target, forgetful, prompt, 8)
     assert decode(target, forgetful, prompt, 8)[1].accepted_tokens == first_stats.accepted_tokens
+
+
+# --- the per-cycle choice of drafter and k ---------------------------------------------------------------------------
+
+FLAT = Costs(verify=lambda width: 1.0 + 0.02 * (width - 1), draft_step=0.2)  # a GPU-like verify pass
+STEEP = Costs(verify=lambda width: float(width), draft_step=0.5)  # every extra token costs a whole pass
+
+
+def chooser(target, costs, close_noise: float | None = 0.01):
+    from conftest import close_draft
+
+    model = draft_with(close_draft(target, noise=close_noise)) if close_noise is not None else None
+    return ChoosingDrafter(SuffixDrafter(), model, costs)
+
+
+@pytest.mark.parametrize("costs", [FLAT, STEEP], ids=["flat verify", "steep verify"])
+def test_choosing_drafter_greedy_equals_plain_greedy(target, costs):
+    drafter = chooser(target, costs)
+    for prompt in PROMPTS:
+        got, _ = decode(target, drafter, prompt, 8)
+        assert got == reference_greedy(target, prompt, NEW_TOKENS), prompt
+
+
+def test_choosing_drafter_drafts_nothing_where_no_option_can_pay(target):
+    drafter = chooser(target, STEEP)
+    _, stats = decode(target, drafter, PROMPTS[3], 8)
+    assert stats.drafted_tokens == 0 and drafter.choices["none"] == stats.cycles
+
+
+def test_choosing_drafter_uses_lookup_on_repeated_text_and_the_model_elsewhere(target):
+    drafter = chooser(target, FLAT)
+    decode(target, drafter, PROMPTS[1], 8)  # the answer is now in the suffix drafter's history
+    _, stats = decode(target, drafter, PROMPTS[1], 8)
+    assert drafter.choices["lookup"] > drafter.choices["model"] and stats.mean_accepted_length > 3
+    _, stats = decode(target, drafter, [50, 7, 33], 8)  # nothing to look up: the close draft model drafts
+    assert drafter.choices["model"] > drafter.choices["lookup"] and stats.accepted_tokens > 0
+
+
+def test_choosing_drafter_is_capped_by_the_engines_k(target):
+    drafter = chooser(target, FLAT)
+    _, stats = decode(target, drafter, PROMPTS[2], 2)
+    assert stats.drafted_tokens > 0 and len(stats.drafted_by_position) <= 2
 
 
 # --- self-speculation (early exit) -----------------------------------------------------------------------------------
@@ -317,6 +360,11 @@ SAMPLING_CASES = {
     # The history of earlier samples (a short one, to stay quick) makes the drafts vary from generation to generation.
     "suffix with earlier requests, k=3, 3 tokens": (lambda: SuffixDrafter(max_history_tokens=60), [1, 4, 2, 1, 4], 3,
                                                     3, SamplingConfig(temperature=1.0)),
+    # Lookup, the toy draft model and plain steps all take turns as their acceptance estimates move.
+    "per-cycle choice (suffix, model, none), k=3, 3 tokens": (
+        lambda: ChoosingDrafter(SuffixDrafter(max_history_tokens=60), test_statistical.draft_model(),
+                                Costs(lambda width: 1.0 + 0.3 * (width - 1), 0.3)),
+        [1, 4, 2, 1, 4], 3, 3, SamplingConfig(temperature=1.0, top_p=0.9)),
 }
 
 

@@ -221,7 +221,7 @@ def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(model, baseline, g
     """Plain decoding as llama.cpp does it (prompt in one prefill, first token from its last row, then one token a
     pass), over the same cache settings: the same tokens."""
     from specdec import llamacpp
-    from specdec.bench.llama_peer import LlamaCppPythonPeer
+    from specdec.llama_peer import LlamaCppPythonPeer
 
     target, tokenizer = model
     prompt = long_text_ids(tokenizer, length)
@@ -345,6 +345,7 @@ def test_cli_generate_on_llama_cpp_compares_with_target_only(gguf_path, capsys):
                  "--prompt", PROMPTS[1], "--max-new-tokens", "12", "--json", "--compare"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["baseline"]["identical"] is True and len(record["token_ids"]) > 0
+    assert record["llama_cpp"]["tokens_per_s"] > 0  # plain llama.cpp's own loop on the same file, same run
     assert main(["generate", "--runtime", "llama.cpp", "--target", gguf_path, "--quantize-draft", "int8",
                  "--draft", gguf_path, "--max-new-tokens", "4"]) == 2
     assert "own quantized weights" in capsys.readouterr().err
@@ -388,7 +389,7 @@ def test_a_crashed_llama_cpp_python_worker_is_restarted_without_repacked_weights
     import os
     import signal
 
-    from specdec.bench.llama_peer import LlamaCppPythonPeer, PeerCrashed
+    from specdec.llama_peer import LlamaCppPythonPeer, PeerCrashed
 
     _, tokenizer = model
     prompt = tokenizer(PROMPTS[1])["input_ids"]
@@ -404,3 +405,19 @@ def test_a_crashed_llama_cpp_python_worker_is_restarted_without_repacked_weights
             peer.generate(prompt, 8, frozenset())
     finally:
         peer.close()
+
+
+def test_auto_with_a_draft_model_chooses_per_cycle_and_a_seed_fixes_the_sample(model, gguf_path, baseline):
+    """k="auto" with a draft model on llama.cpp: the per-cycle choice between suffix lookup, the model and plain
+    steps. Greedy output is the target's; a seeded sample repeats exactly (the choice reads no clock)."""
+    from specdec.drafters.choice import ChoosingDrafter
+
+    target, tokenizer = model
+    gen = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)  # k="auto" is the default
+    assert isinstance(gen.drafter, ChoosingDrafter)
+    prompt = " ".join(PROMPTS * 4)  # repeats itself: suffix lookup has something to propose
+    out = gen.generate(prompt, max_new_tokens=24)
+    assert out.token_ids == baseline.generate(prompt, max_new_tokens=24).token_ids
+    assert sum(cycles for cycles, _, _ in out.stats.by_drafter.values()) == out.stats.cycles
+    samples = {tuple(gen.generate(prompt, max_new_tokens=24, temperature=0.9, seed=11).token_ids) for _ in range(4)}
+    assert len(samples) == 1

@@ -109,7 +109,7 @@ def test_verify_passes_at_a_long_context_equal_one_token_passes(pair, long_promp
 def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(pair, long_prompt):
     """The same tokens as llama-cpp-python's `Llama.generate` over the same cache settings, short and long prompts."""
     from specdec import llamacpp
-    from specdec.bench.llama_peer import LlamaCppPythonPeer
+    from specdec.llama_peer import LlamaCppPythonPeer
 
     speculative, baseline = pair
     target = speculative.target

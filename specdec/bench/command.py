@@ -188,7 +188,9 @@ def _prepare(args, preset, candidates, results: dict):
         raise ValueError(f"no prompt fits in {preset.max_prompt_tokens} tokens: raise --max-prompt-tokens")
     results["workloads"] = [{"index": u.index, "task": u.prompt.task, "source": u.prompt.source,
                              "prompt_tokens": int(u.ids.shape[1]), "text": u.prompt.text} for u in units]
-    greedy, skipped = build_methods(preset.greedy, gen, args.k)
+    # Plain llama.cpp on the same file is the baseline of every llama.cpp run, whatever the preset lists.
+    always = ("llama-generate",) if gen.runtime == "llama.cpp" else ()
+    greedy, skipped = build_methods(preset.greedy + always, gen, args.k)
     sampled, skipped_sampled = build_methods(preset.sampled, gen, args.k)
     results["skipped"] = {**skipped, **skipped_sampled}
     schedule = Schedule(units, [(0.0, greedy)] + ([(SAMPLING_TEMPERATURE, sampled)] if sampled else []),

@@ -99,18 +99,17 @@ class LlamaCppPython(Method):
     """llama-cpp-python's own `Llama.generate` loop, greedy, optionally with its prompt-lookup speculation.
 
     It loads the same GGUF file again (memory-mapped, so the weights are shared through the page cache) in a worker
-    process of its own (bench.llama_peer: a crash there cannot take the benchmark down), with llama.cpp's default
+    process of its own (specdec.llama_peer: a crash there cannot take the benchmark down), with llama.cpp's default
     context settings: what a user of llama.cpp runs.
     """
 
     family = "llama-cpp-python"
 
     def __init__(self, label: str, model, eos_ids: frozenset[int], lookup_tokens: int | None = None):
-        from specdec.bench.llama_peer import LlamaCppPythonPeer
+        from specdec.llama_peer import LlamaCppPythonPeer, plain_settings
 
         self.label, self.eos_ids, self.lookup_tokens = label, eos_ids, lookup_tokens
-        settings = dict(n_threads=model.threads, n_threads_batch=model.threads, n_batch=512)
-        self.peer = LlamaCppPythonPeer(str(model.path), settings, lookup_tokens)
+        self.peer = LlamaCppPythonPeer(str(model.path), plain_settings(model), lookup_tokens)
 
     def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Output:
         if temperature > 0:

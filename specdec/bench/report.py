@@ -35,6 +35,10 @@ def pooled_stats(stats_records: list[dict]) -> SpecStats:
             mine += [0] * (len(theirs) - len(mine))
             for i, count in enumerate(theirs):
                 mine[i] += count
+        for name, counts in s.get("by_drafter", {}).items():  # absent from results saved before it was recorded
+            mine = total.by_drafter.setdefault(name, [0, 0, 0])
+            for i, key in enumerate(("cycles", "drafted_tokens", "accepted_tokens")):
+                mine[i] += counts[key]
         times = s["time_s"]
         total.prefill_s += times["prefill"]
         total.draft_s += times["draft"]
@@ -59,7 +63,25 @@ def summarise(results: dict) -> list[dict]:
     tasks = list(dict.fromkeys(r["task"] for r in records)) + [ALL_TASKS]
     methods = list(dict.fromkeys(r["method"] for r in records))
     order = {(t, task, m): (t, tasks.index(task), methods.index(m)) for t, task, m in groups}
-    return [_row(key, groups[key], baseline, results) for key in sorted(groups, key=order.__getitem__)]
+    rows = [_row(key, groups[key], baseline, results) for key in sorted(groups, key=order.__getitem__)]
+    _add_plain_llama_cpp(rows)
+    return rows
+
+
+PLAIN = ("target-only", "llama-generate")  # plain decoding: ours, and llama.cpp's own loop on the same file
+
+
+def _add_plain_llama_cpp(rows: list[dict]) -> None:
+    """Where llama.cpp's own loop ran: each row's pooled tokens/s over the faster plain decoder of its task."""
+    for row in rows:
+        row["over_plain"] = None
+    if not any(r["method"] == "llama-generate" for r in rows):
+        return
+    for group in {(r["temperature"], r["task"]) for r in rows}:
+        members = [r for r in rows if (r["temperature"], r["task"]) == group]
+        plain = max((r["tokens_per_s"] or 0.0 for r in members if r["method"] in PLAIN), default=0.0)
+        for row in members:
+            row["over_plain"] = _ratio(row["tokens_per_s"], plain)
 
 
 def _row(key, runs: list[dict], baseline: dict, results: dict) -> dict:
@@ -83,6 +105,7 @@ def _row(key, runs: list[dict], baseline: dict, results: dict) -> dict:
     with_stats = [r for r in runs if r.get("stats")]
     if with_stats and method != "target-only":
         stats = pooled_stats([r["stats"] for r in with_stats])
+        row["by_drafter"] = stats.by_drafter
         row.update(acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
                    acceptance_by_position=stats.acceptance_by_position,
                    per_token_acceptance=per_token_acceptance(stats))
@@ -146,14 +169,17 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def results_table(rows: list[dict], temperature: float) -> list[str]:
     rows = [r for r in rows if r["temperature"] == temperature]
     cpu = any(r["cpu_share"] is not None for r in rows)  # absent from results saved before it was recorded
+    plain = any(r.get("over_plain") is not None for r in rows)
     body = []
     for r in rows:
         identical = f"{r['identical'][0]}/{r['identical'][1]}" if r["identical"] else "—"
         body.append([r["task"], r["method"], str(r["prompts"]), _f(r["tokens_per_s"]), _f(r["speedup_median"], 2, "x"),
-                     _f(r["speedup_pooled"], 2, "x"), _f(r["acceptance_rate"], 2), _f(r["mean_accepted_length"], 2)]
+                     _f(r["speedup_pooled"], 2, "x")] + ([_f(r["over_plain"], 2, "x")] if plain else [])
+                    + [_f(r["acceptance_rate"], 2), _f(r["mean_accepted_length"], 2)]
                     + ([identical] if temperature == 0 else []) + ([_f(r["cpu_share"], 2)] if cpu else []))
-    header = ["task", "method", "prompts", "tokens/s", "speed-up (median)", "speed-up (pooled)", "acceptance",
-              "mean accepted length"] + (["identical to target-only"] if temperature == 0 else [])
+    header = (["task", "method", "prompts", "tokens/s", "speed-up (median)", "speed-up (pooled)"]
+              + (["over plain llama.cpp (pooled)"] if plain else []) + ["acceptance", "mean accepted length"]
+              + (["identical to target-only"] if temperature == 0 else []))
     return _table(header + (["CPU share"] if cpu else []), body)
 
 
@@ -185,7 +211,9 @@ def markdown(results: dict, rows: list[dict], plots: dict[str, str]) -> str:
         "the ratio to target-only on the same prompt; (pooled): total tokens / total time, over target-only's. "
         "Acceptance: accepted / drafted tokens. Mean accepted length: tokens per verify cycle, the recovered or bonus "
         "token included. CPU share: CPU seconds the run got / (wall seconds x compute threads); well below 1 means "
-        "other processes took the cores and the timings of that row are inflated.", "",
+        "other processes took the cores and the timings of that row are inflated. Over plain llama.cpp (where "
+        "llama-generate ran): pooled tokens/s over the faster of target-only and llama-generate on the same "
+        "prompts.", "",
     ]
     for temperature in dict.fromkeys(r["temperature"] for r in rows):
         title = "greedy" if temperature == 0 else "sampling"
@@ -200,6 +228,7 @@ def markdown(results: dict, rows: list[dict], plots: dict[str, str]) -> str:
     if peers:
         lines += ["How the peers loaded the model (each in a worker process of its own, with llama.cpp's default "
                   "context settings: an f16 KV cache, so its tokens may differ slightly from ours):", "", *peers, ""]
+    lines += _drafter_section(rows)
     lines += _costs_section(results.get("costs"))
     lines += _prediction_section(rows)
     lines += _position_section(rows)
@@ -214,6 +243,22 @@ def markdown(results: dict, rows: list[dict], plots: dict[str, str]) -> str:
     if plots:
         lines += ["## Plots", "", *(f"![{name}]({file})" for name, file in plots.items()), ""]
     return "\n".join(lines)
+
+
+def _drafter_section(rows: list[dict]) -> list[str]:
+    """Who drafted, for methods that choose per cycle (several drafters in one run)."""
+    body = []
+    for r in rows:
+        shares = r.get("by_drafter") or {}
+        if len(shares) > 1:
+            body.append([f"{r['temperature']:g}", r["task"], r["method"], "; ".join(
+                f"{name}: {c} cycles, {a}/{d} accepted" if d else f"{name}: {c} cycles"
+                for name, (c, d, a) in sorted(shares.items()))])
+    if not body:
+        return []
+    return ["## Who drafted", "", "Cycles by the option chosen (suffix lookup, the draft model, or none: a plain "
+            "step), with the draft tokens each got accepted.", "",
+            *_table(["T", "task", "method", "cycles by drafter"], body), ""]
 
 
 def _costs_section(costs: dict | None) -> list[str]:

@@ -14,6 +14,7 @@ class Proposal:
     tokens: torch.Tensor  # [batch, n] draft tokens, n <= k (n = 0: the cycle is one plain target step)
     probs: torch.Tensor | None = None  # q [batch, n, vocab]; None for deterministic drafters (one-hot q)
     forward_calls: int = 0  # model forward passes spent on this proposal
+    source: str | None = None  # which drafter authored it, where one drafter delegates to others (None: the drafter)
 
     @staticmethod
     def empty(batch: int = 1) -> "Proposal":

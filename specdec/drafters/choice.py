@@ -81,8 +81,12 @@ class ChoosingDrafter(Drafter):
         self.choices[choice] += 1
         self.chosen = None if choice == "none" else choice
         if choice == "model":
-            return self.model_drafter.propose(context, options["model"][1], sampling, generator)
-        return proposal if choice == "lookup" else Proposal.empty(context.shape[0])
+            proposal = self.model_drafter.propose(context, options["model"][1], sampling, generator)
+        elif choice == "none":
+            proposal = Proposal.empty(context.shape[0])
+        proposal.source = {"lookup": self.lookup.name, "model": self.model_drafter.name if self.model_drafter else
+                           None, "none": "none"}[choice]
+        return proposal
 
     def accept(self, n_drafted: int, n_accepted: int) -> None:
         if self.chosen is None:

@@ -1,4 +1,5 @@
-"""llama-cpp-python's own generation loop as a benchmark peer, run in a worker process of its own.
+"""llama-cpp-python's own generation loop (plain llama.cpp, as its users run it), in a worker process of its own: the
+baseline of `specdec bench` and `specdec generate --compare` on the llama.cpp runtime.
 
 With llama.cpp's default weight layouts (repacked for the CPU, AMX tiles where the CPU has them) `Llama.generate`
 crashed with a segmentation fault on an Intel Xeon with AMX, taking the whole benchmark down. In a worker process a
@@ -15,6 +16,11 @@ import sys
 
 class PeerCrashed(RuntimeError):
     """The worker process died (a signal or an exit) while it loaded the model or generated."""
+
+
+def plain_settings(model) -> dict:
+    """llama.cpp's defaults for a LlamaCppModel's file, on its thread count: what a llama.cpp user runs."""
+    return dict(n_threads=model.threads, n_threads_batch=model.threads, n_batch=512)
 
 
 class LlamaCppPythonPeer:
