@@ -30,17 +30,20 @@ class LlamaCppPythonPeer:
     its prompt-lookup speculation.
     """
 
-    def __init__(self, model_path: str, settings: dict, lookup_tokens: int | None = None):
+    def __init__(self, model_path: str, settings: dict, lookup_tokens: int | None = None, repack: bool = True):
+        """repack: llama.cpp's default weight layouts (True) or, as specdec's runtime loads them, not (False)."""
         self.model_path, self.settings, self.lookup_tokens = model_path, settings, lookup_tokens
-        self.repack = True  # llama.cpp's default; turned off after a crash
+        self.repack = repack  # turned off after a crash
         self.crash: str | None = None  # what the default layouts did, for the report
         self._process = self._connection = None
 
     @property
     def loaded_as(self) -> str:
-        if self.crash is None:
-            return "llama.cpp defaults (repacked weight layouts where the CPU has them)"
-        return f"repacked weight layouts off: with llama.cpp's defaults its worker {self.crash} on this CPU"
+        if self.crash is not None:
+            return f"repacked weight layouts off: with llama.cpp's defaults its worker {self.crash} on this CPU"
+        if not self.repack:
+            return "repacked weight layouts off, as specdec's runtime loads weights"
+        return "llama.cpp defaults (repacked weight layouts where the CPU has them)"
 
     def generate(self, prompt: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> list[int]:
         """New tokens, cut before the first end-of-sequence token. A crash with the default layouts is retried once

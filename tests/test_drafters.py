@@ -59,11 +59,11 @@ def target_info(model, tokenizer=None):
     return TargetInfo(model, tokenizer, model.config.vocab_size, model.dtype)
 
 
-class Spy:
+class Spy(Drafter):
     """Wraps a drafter and counts the proposals it made that were not empty."""
 
     def __init__(self, drafter):
-        self.drafter, self.used = drafter, 0
+        self.drafter, self.used, self.name = drafter, 0, drafter.name
 
     def begin(self, prompt_ids):
         self.drafter.begin(prompt_ids)

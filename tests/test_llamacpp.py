@@ -219,7 +219,7 @@ def test_long_prompt_greedy_speculation_equals_target_only(model, baseline):
 @pytest.mark.parametrize("length", [20, 700])
 def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(model, baseline, gguf_path, length):
     """Plain decoding as llama.cpp does it (prompt in one prefill, first token from its last row, then one token a
-    pass), over the same cache settings: the same tokens."""
+    pass), with the same settings (cache type, flash attention, weight layouts not repacked): the same tokens."""
     from specdec import llamacpp
     from specdec.llama_peer import LlamaCppPythonPeer
 
@@ -227,7 +227,7 @@ def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(model, baseline, g
     prompt = long_text_ids(tokenizer, length)
     settings = dict(n_threads=1, n_threads_batch=1, flash_attn=True,
                     type_k=llamacpp.KV_CACHE_TYPES[target.kv_cache], type_v=llamacpp.KV_CACHE_TYPES[target.kv_cache])
-    peer = LlamaCppPythonPeer(gguf_path, settings)
+    peer = LlamaCppPythonPeer(gguf_path, settings, repack=False)
     try:
         theirs = peer.generate(prompt[0].tolist(), 32, baseline.eos_ids)
     finally:
