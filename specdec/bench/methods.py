@@ -40,6 +40,7 @@ class Method:
     family: str  # "ours" or "transformers"
     k: int | str | None = None  # draft tokens per cycle (ours with a drafter)
     uses_draft_model: bool = False  # drafts with the draft model, so the cost-based prediction applies
+    out_of_process: bool = False  # runs in a worker process (its CPU time is not this process's)
 
     def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float, seed: int | None) -> Output:
         raise NotImplementedError
@@ -104,6 +105,7 @@ class LlamaCppPython(Method):
     """
 
     family = "llama-cpp-python"
+    out_of_process = True
 
     def __init__(self, label: str, model, eos_ids: frozenset[int], lookup_tokens: int | None = None):
         from specdec.llama_peer import LlamaCppPythonPeer, plain_settings

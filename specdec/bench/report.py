@@ -226,8 +226,9 @@ def markdown(results: dict, rows: list[dict], plots: dict[str, str]) -> str:
     peers = [f"- {label}: {info['loaded_as']}" for label, info in results.get("methods", {}).items()
              if info.get("loaded_as")]
     if peers:
-        lines += ["How the peers loaded the model (each in a worker process of its own, with llama.cpp's default "
-                  "context settings: an f16 KV cache, so its tokens may differ slightly from ours):", "", *peers, ""]
+        lines += ["How the peers loaded the model (each in a worker process of its own, so its CPU share is not "
+                  "measured; with llama.cpp's default settings: an f16 KV cache, no flash attention, repacked weight "
+                  "layouts, so its tokens may differ slightly from ours):", "", *peers, ""]
     lines += _drafter_section(rows)
     lines += _costs_section(results.get("costs"))
     lines += _prediction_section(rows)
@@ -250,7 +251,7 @@ def _drafter_section(rows: list[dict]) -> list[str]:
     body = []
     for r in rows:
         shares = r.get("by_drafter") or {}
-        if len(shares) > 1:
+        if len(shares) > 1 or set(shares) == {"none"}:  # a per-cycle choice (even if it always chose plain steps)
             body.append([f"{r['temperature']:g}", r["task"], r["method"], "; ".join(
                 f"{name}: {c} cycles, {a}/{d} accepted" if d else f"{name}: {c} cycles"
                 for name, (c, d, a) in sorted(shares.items()))])
