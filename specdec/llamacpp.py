@@ -108,7 +108,8 @@ class LlamaCppModel:
 
     runtime = "llama.cpp"
 
-    def __init__(self, path: str | os.PathLike, threads: int | None = None, kv_cache: str = DEFAULT_KV_CACHE):
+    def __init__(self, path: str | os.PathLike, threads: int | None = None, kv_cache: str = DEFAULT_KV_CACHE,
+                 repack: bool | str = "auto"):
         lib = _lib()
         self.path = Path(path)
         if not self.path.is_file():
@@ -119,12 +120,16 @@ class LlamaCppModel:
         if kv_cache not in KV_CACHE_TYPES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
         self.kv_cache = kv_cache
+        if repack not in (True, False, "auto"):
+            raise ValueError(f"repack must be True, False or 'auto', got {repack!r}")
+        # llama.cpp's repacked weight layouts: measured on Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, one-token passes
+        # took 30.5 instead of 40.3 ms on an AVX-512 EPYC but 64 instead of 56 ms on an AVX2 one, and llama.cpp's own
+        # loop crashed with them on an AMX Xeon. Their multi-token kernels round differently from 4 tokens up (the
+        # calibration then finds exact width 3 instead of 7). So "auto" measures, per CPU, and keeps the faster.
+        self.repack = choose_repack(self.path, self.threads) if repack == "auto" else repack
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
-        # No repacked weight layouts: measured on the 2-core AVX2 CPU with Qwen2.5-Coder-1.5B Q4_K_M, the repacked
-        # kernels were no faster (64 vs 56 ms a token, 5.6 vs 4.2 s for a 200-token prompt) and change the logits
-        # of a pass from 4 tokens up, where the plain kernels stay bitwise equal to one-token passes up to 7.
-        params.use_extra_bufts = False
+        params.use_extra_bufts = self.repack
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {self.path}: not a GGUF language model it supports")
@@ -226,30 +231,80 @@ CALIBRATION_VERSION = 2  # bump when what is measured changes: older cached resu
 
 
 def _cached(model: LlamaCppModel, kind: str, measure) -> dict:
-    """measure(model), cached in a JSON file per model file, llama.cpp build, CPU, threads and cache type."""
+    """measure(model), cached per model file, llama.cpp build, CPU, threads, cache type and weight layouts."""
+    return _cached_json(model.path, kind, f"{model.threads}|{model.kv_cache}|{model.repack}", lambda: measure(model),
+                        {"threads": model.threads, "kv_cache": model.kv_cache, "repack": model.repack})
+
+
+def _cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -> dict:
+    """measure(), cached in a JSON file per GGUF file (path, size, mtime), llama.cpp build, CPU flags and settings."""
     import hashlib
     import json
     from importlib.metadata import version
 
     from specdec import registry
 
-    stat = model.path.stat()
+    stat = path.stat()
     cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "") if os.path.exists(
         "/proc/cpuinfo") else os.uname().machine
-    key = hashlib.sha256(f"{model.path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('llama_cpp_python')}|"
-                         f"{cpu}|{model.threads}|{model.kv_cache}|{CALIBRATION_VERSION}".encode()).hexdigest()[:24]
-    path = registry.cache_root() / "calibration" / f"{model.path.stem}-{kind}-{key}.json"
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('llama_cpp_python')}|"
+                         f"{cpu}|{settings}|{CALIBRATION_VERSION}".encode()).hexdigest()[:24]
+    cached = registry.cache_root() / "calibration" / f"{path.stem}-{kind}-{key}.json"
     try:
-        return json.loads(path.read_text())["measured"]
+        return json.loads(cached.read_text())["measured"]
     except (OSError, ValueError, KeyError):
         pass
-    found = measure(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps({"model": str(model.path), "threads": model.threads, "kv_cache": model.kv_cache,
-                                   "measured": found}) + "\n")
-    partial.replace(path)
+    found = measure()
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_name(cached.name + ".partial")
+    partial.write_text(json.dumps({"model": str(path), **describe, "measured": found}) + "\n")
+    partial.replace(cached)
     return found
+
+
+def choose_repack(path: Path, threads: int) -> bool:
+    """Whether llama.cpp's repacked weight layouts give faster one-token passes of this file on this CPU (by 3% or
+    more): measured once, in a worker process, since they crashed llama.cpp on an AMX Xeon (a crash there says no),
+    then cached."""
+    return _cached_json(Path(path), "layouts", str(threads), lambda: _measure_repack(path, threads),
+                        {"threads": threads})["repack"]
+
+
+def _measure_repack(path: Path, threads: int) -> dict:
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")  # no fork: this process may hold llama.cpp's and torch's threads
+    receive, send = spawn.Pipe(duplex=False)
+    worker = spawn.Process(target=_time_layouts, args=(send, str(path), threads), daemon=True)
+    worker.start()
+    send.close()
+    try:
+        plain_s, repacked_s = receive.recv()
+    except EOFError:  # the worker died: with the repacked layouts, or at all
+        worker.join(timeout=10)
+        return {"repack": False, "worker_exit_code": worker.exitcode}
+    worker.join(timeout=10)
+    return {"repack": repacked_s < 0.97 * plain_s, "one_token_s": {"plain": plain_s, "repacked": repacked_s}}
+
+
+def _time_layouts(connection, path: str, threads: int) -> None:
+    """In the worker: median seconds of a one-token pass after 16 tokens, plain and repacked layouts interleaved."""
+    import statistics
+    import time
+
+    models = [LlamaCppModel(path, threads, repack=repack) for repack in (False, True)]
+    tokens = _probe_tokens(models[0], 17)
+    runners = [LlamaCppRunner(model, model.n_vocab, private_context=17) for model in models]
+    seconds = [[], []]
+    for runner in runners:
+        runner.forward(tokens[:, :16], last_only=True)
+    for _ in range(9):
+        for runner, times in zip(runners, seconds):
+            started = time.perf_counter()
+            runner.forward(tokens[:, 16:])
+            times.append(time.perf_counter() - started)
+            runner.rollback(16)
+    connection.send(tuple(statistics.median(times[1:]) for times in seconds))
 
 
 def _probe_tokens(model: LlamaCppModel, n: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ SPECDEC_REQUIRE_REAL_MODELS=1 (`make test`), where that is a failure.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,7 +220,7 @@ def test_long_prompt_greedy_speculation_equals_target_only(model, baseline):
 @pytest.mark.parametrize("length", [20, 700])
 def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(model, baseline, gguf_path, length):
     """Plain decoding as llama.cpp does it (prompt in one prefill, first token from its last row, then one token a
-    pass), with the same settings (cache type, flash attention, weight layouts not repacked): the same tokens."""
+    pass), with the same settings (cache type, flash attention, weight layouts): the same tokens."""
     from specdec import llamacpp
     from specdec.llama_peer import LlamaCppPythonPeer
 
@@ -227,7 +228,7 @@ def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(model, baseline, g
     prompt = long_text_ids(tokenizer, length)
     settings = dict(n_threads=1, n_threads_batch=1, flash_attn=True,
                     type_k=llamacpp.KV_CACHE_TYPES[target.kv_cache], type_v=llamacpp.KV_CACHE_TYPES[target.kv_cache])
-    peer = LlamaCppPythonPeer(gguf_path, settings, repack=False)
+    peer = LlamaCppPythonPeer(gguf_path, settings, repack=target.repack)
     try:
         theirs = peer.generate(prompt[0].tolist(), 32, baseline.eos_ids)
     finally:
@@ -421,3 +422,13 @@ def test_auto_with_a_draft_model_chooses_per_cycle_and_a_seed_fixes_the_sample(m
     assert sum(cycles for cycles, _, _ in out.stats.by_drafter.values()) == out.stats.cycles
     samples = {tuple(gen.generate(prompt, max_new_tokens=24, temperature=0.9, seed=11).token_ids) for _ in range(4)}
     assert len(samples) == 1
+
+
+def test_repacked_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(gguf_path, tmp_path):
+    from specdec import llamacpp
+
+    choice = llamacpp.choose_repack(Path(gguf_path), 1)
+    assert isinstance(choice, bool) and llamacpp.LlamaCppModel(gguf_path, threads=1).repack == choice
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    assert llamacpp._measure_repack(bad, 1) == {"repack": False, "worker_exit_code": 1}

@@ -108,7 +108,7 @@ def test_verify_passes_at_a_long_context_equal_one_token_passes(pair, long_promp
 
 def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(pair, long_prompt):
     """The same tokens as llama-cpp-python's `Llama.generate` with the same settings (cache type, flash attention,
-    weight layouts not repacked), short and long prompts."""
+    weight layouts), short and long prompts."""
     from specdec import llamacpp
     from specdec.llama_peer import LlamaCppPythonPeer
 
@@ -116,7 +116,7 @@ def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(pair, long_prompt)
     target = speculative.target
     cache = llamacpp.KV_CACHE_TYPES[target.kv_cache]
     peer = LlamaCppPythonPeer(str(target.path), dict(n_threads=target.threads, n_threads_batch=target.threads,
-                                                     flash_attn=True, type_k=cache, type_v=cache), repack=False)
+                                                     flash_attn=True, type_k=cache, type_v=cache), repack=target.repack)
     try:
         for prompt in [speculative.tokenizer(human_eval_prompts(3)[2])["input_ids"], long_prompt]:
             theirs = peer.generate(prompt, 32, baseline.eos_ids)

@@ -232,7 +232,7 @@ def _finish(results: dict, out_dir: Path, path: Path) -> int:
 def _model_info(model) -> dict:
     if getattr(model, "runtime", "torch") != "torch":
         return {"class": type(model).__name__, "file": str(model.path), "file_bytes": model.path.stat().st_size,
-                "threads": model.threads}
+                "threads": model.threads, "kv_cache": model.kv_cache, "repacked_layouts": model.repack}
     return {"class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
             "layers": model.config.get_text_config().num_hidden_layers, "dtype": str(model.dtype)}
 
