@@ -66,6 +66,9 @@ class SpeculativeGenerator:
         self.target, self.tokenizer = load_model(target, tokenizer, runtime=self.runtime, dtype=dtype,
                                                  quantization=target_quantization, threads=threads)
         check_rollback_supported(self.target)
+        prepare = getattr(self.target, "prepare_as_target", None)  # a runtime's one-off calibration, if it has one
+        if prepare is not None:
+            prepare()
         self.vocab_size = own_vocab_size(self.target, self.tokenizer)
         info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype, draft_quantization, self.runtime,
                           threads)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 import weakref
 from pathlib import Path
 
@@ -163,6 +164,10 @@ class LlamaCppModel:
             self._exact_widths = {int(length): width for length, width in found["exact_width"].items()}
         return self._exact_widths
 
+    def prepare_as_target(self) -> None:
+        """Calibrate what a target needs (its exact verify widths) now, not inside the first generation's timing."""
+        self.exact_widths
+
     def verify_width(self, length: int) -> int:
         """The widest pass the engine may verify after `length` cached tokens (>= 1).
 
@@ -273,6 +278,9 @@ def choose_repack(path: Path, threads: int) -> bool:
 def _measure_repack(path: Path, threads: int) -> dict:
     import multiprocessing
 
+    if sys.stderr.isatty():
+        print(f"timing llama.cpp's weight layouts for {Path(path).name} on this CPU (once) ...", file=sys.stderr)
+
     spawn = multiprocessing.get_context("spawn")  # no fork: this process may hold llama.cpp's and torch's threads
     receive, send = spawn.Pipe(duplex=False)
     worker = spawn.Process(target=_time_layouts, args=(send, str(path), threads), daemon=True)
@@ -346,8 +354,13 @@ def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contex
     """At each context length (capped by the model's), evaluate the same tokens one at a time and in passes of 2..8
     tokens -> {"exact_width": {length: the largest w such that every pass of 2..w tokens gives the one-token logits
     bit for bit (1 if none does)}}. The long context costs a prefill of that many tokens, once per machine."""
+    from tqdm import tqdm
+
     found = {}
-    for length in sorted({min(n, model.max_length - max(widths)) for n in contexts}):
+    lengths = sorted({min(n, model.max_length - max(widths)) for n in contexts})
+    # On a terminal only: the long context takes about a minute for a 1.5B model on 2 cores, once.
+    for length in tqdm(lengths, desc=f"calibrating {model.path.name} (once): exact verify width after N tokens",
+                       unit="context", leave=False, disable=None, file=sys.stderr):
         tokens = _probe_tokens(model, length + max(widths))
         runner = LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
         runner.forward(tokens[:, :length], last_only=True)
