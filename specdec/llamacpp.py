@@ -267,6 +267,9 @@ def _cached_json(path: Path, kind: str, settings: str, measure, describe: dict) 
     return found
 
 
+LAYOUT_TIMING_TIMEOUT_S = 600  # loading a model twice and 20 one-token passes: seconds, even for a 7B on 2 cores
+
+
 def choose_repack(path: Path, threads: int) -> bool:
     """Whether llama.cpp's repacked weight layouts give faster one-token passes of this file on this CPU (by 3% or
     more): measured once, in a worker process, since they crashed llama.cpp on an AMX Xeon (a crash there says no),
@@ -287,6 +290,8 @@ def _measure_repack(path: Path, threads: int) -> dict:
     worker.start()
     send.close()
     try:
+        if not receive.poll(LAYOUT_TIMING_TIMEOUT_S):
+            worker.kill()  # hung: as good as a crash
         plain_s, repacked_s = receive.recv()
     except EOFError:  # the worker died: with the repacked layouts, or at all
         worker.join(timeout=10)
