@@ -77,6 +77,9 @@ class _VerifyCost:
         return base + slope * (width - 1)
 
 
+K_MAX = 8  # the most draft tokens a cycle proposes under k="auto"
+
+
 class AdaptiveK:
     """Chooses k each cycle to maximise expected tokens per second from this request's own observations.
 
@@ -90,7 +93,7 @@ class AdaptiveK:
     `probe_every` plain cycles, an interval that doubles (up to 8x) while the probes keep saying k = 0.
     """
 
-    def __init__(self, k_max: int = 8,
+    def __init__(self, k_max: int = K_MAX,
                  prior_acceptance: float = 0.6,  # cautious: Leviathan et al. 2023 measure 0.5-0.9 for same-family pairs
                  prior_weight: float = 2.0,  # worth 2 trials: the first few cycles overrule it
                  prior_draft_cost: float = 0.1,  # seconds per draft token / seconds per target step, until measured

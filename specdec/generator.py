@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from specdec.adaptive import AdaptiveK, make_k_policy
+from specdec.adaptive import K_MAX, make_k_policy
 from specdec.drafters import ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
 from specdec.drafters.choice import ChoosingDrafter, Costs
 from specdec.engine import speculative_decode
@@ -111,7 +111,7 @@ class SpeculativeGenerator:
         timed = sampling.greedy or seed is None
         k = self.k if k is None else k
         if getattr(self.drafter, "chooses_k", False):  # the drafter decides; k only caps it
-            k_policy = make_k_policy(AdaptiveK().k_max if k == "auto" else k)
+            k_policy = make_k_policy(K_MAX if k == "auto" else k)
         else:
             k_policy = make_k_policy(k, timed=timed, **self._k_priors())
         prompt_ids = self.encode(prompt, chat)
