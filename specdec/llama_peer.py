@@ -3,8 +3,8 @@ baseline of `specdec bench` and `specdec generate --compare` on the llama.cpp ru
 
 With llama.cpp's default weight layouts (repacked for the CPU, AMX tiles where the CPU has them) `Llama.generate`
 crashed with a segmentation fault on an Intel Xeon with AMX, taking the whole benchmark down. In a worker process a
-crash only ends the worker: the peer then starts a new one with the repacked layouts off (the way specdec's own
-runtime loads weights, which works there) and says so in the report.
+crash only ends the worker: the peer then starts a new one with the repacked layouts off (which works there; specdec's
+own runtime times the layouts in a worker too, and a crash there means off) and says so in the report.
 """
 
 from __future__ import annotations
