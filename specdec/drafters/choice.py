@@ -64,7 +64,6 @@ class ChoosingDrafter(Drafter):
                 self.model_drafter.begin(prompt_ids)
         self.acceptance = {name: _Acceptance(*self.prior) for name in ("lookup", "model")}
         self.chosen: str | None = None  # what the target is verifying: "lookup", "model" or None
-        self.choices = {"lookup": 0, "model": 0, "none": 0}  # cycles each option was chosen, for the curious
 
     def propose(self, context, k, sampling, generator) -> Proposal:
         verify = self.costs.verify
@@ -78,7 +77,6 @@ class ChoosingDrafter(Drafter):
             k_model = best_k(a, c, verify, k)
             options["model"] = (expected_tokens(a, k_model) / (k_model * c + verify(k_model + 1)), k_model)
         choice = max(options, key=lambda name: options[name][0])  # ties: the first, plain decoding
-        self.choices[choice] += 1
         self.chosen = None if choice == "none" else choice
         if choice == "model":
             proposal = self.model_drafter.propose(context, options["model"][1], sampling, generator)
