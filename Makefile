@@ -7,12 +7,16 @@ BIN := $(VENV)/bin
 MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 DEMO_PROMPT := Write a Python function that returns the n-th Fibonacci number, with a docstring and type hints.
 
-# llama-cpp-python compiles llama.cpp for this CPU (about 10 minutes on 2 cores). The wheel is built once per CPU
-# feature set into WHEELS and installed from there afterwards (seconds); pip's own cache is bypassed, as it would hand
-# back a wheel built for another CPU.
-LLAMA_CPP := llama-cpp-python==0.3.36
+# llama-cpp-python compiles llama.cpp for this CPU (about 10 minutes on 2 cores), from its source release with
+# specdec's kernel patch applied (native/: exact multi-token verify passes). The wheel is built once per CPU feature
+# set and patch into WHEELS and installed from there afterwards (seconds); pip's own cache is bypassed, as it would
+# hand back a wheel built for another CPU or without the patch.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP := llama-cpp-python==$(LLAMA_CPP_VERSION)
+LLAMA_PATCH := native/llama.cpp-verify-columns.patch
 CPU_KEY := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | md5sum | cut -c1-12)
-WHEELS ?= $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/wheels/$(CPU_KEY)
+PATCH_KEY := $(shell md5sum $(LLAMA_PATCH) native/build-llama-cpp-wheel.sh | md5sum | cut -c1-8)
+WHEELS ?= $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/wheels/$(CPU_KEY)-$(PATCH_KEY)
 LLAMA_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DLLAVA_BUILD=OFF
 
@@ -29,17 +33,14 @@ $(VENV)/.installed: requirements.txt requirements-data.txt pyproject.toml
 	touch $@
 
 llama-cpp-wheel:
-	@if ! ls $(WHEELS)/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then \
-		echo "building $(LLAMA_CPP) for this CPU (about 10 minutes on 2 cores, once) into $(WHEELS)"; \
-		rm -rf $(WHEELS).partial && mkdir -p $(WHEELS).partial && \
-		CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/python -m pip wheel --quiet \
-			--no-cache-dir --no-deps $(LLAMA_CPP) -w $(WHEELS).partial && \
-		mkdir -p $(WHEELS) && mv $(WHEELS).partial/*.whl $(WHEELS)/ && rm -rf $(WHEELS).partial; \
+	@if ! ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1; then \
+		echo "building $(LLAMA_CPP) with specdec's kernel patch for this CPU (about 10 minutes on 2 cores, once) into $(WHEELS)"; \
+		CMAKE_ARGS="$(LLAMA_CMAKE)" native/build-llama-cpp-wheel.sh $(BIN)/python $(LLAMA_CPP_VERSION) $(WHEELS); \
 	fi
 
-$(VENV)/.llama-cpp: $(VENV)/.installed
+$(VENV)/.llama-cpp: $(VENV)/.installed $(LLAMA_PATCH) native/build-llama-cpp-wheel.sh
 	$(MAKE) llama-cpp-wheel
-	$(BIN)/python -m pip install --quiet --no-deps --no-index --find-links $(WHEELS) $(LLAMA_CPP)
+	$(BIN)/python -m pip install --quiet --force-reinstall --no-deps --no-index --find-links $(WHEELS) $(LLAMA_CPP)
 	touch $@
 
 # The verified GGUF files: all that the default (llama.cpp) runtime needs.

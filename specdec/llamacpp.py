@@ -11,6 +11,7 @@ run rather than read a cache that is no longer its own.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import weakref
@@ -125,8 +126,9 @@ class LlamaCppModel:
             raise ValueError(f"repack must be True, False or 'auto', got {repack!r}")
         # llama.cpp's repacked weight layouts: measured on Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, one-token passes
         # took 30.5 instead of 40.3 ms on an AVX-512 EPYC but 64 instead of 56 ms on an AVX2 one, and llama.cpp's own
-        # loop crashed with them on an AMX Xeon. Their multi-token kernels round differently from 4 tokens up (the
-        # calibration then finds exact width 3 instead of 7). So "auto" measures, per CPU, and keeps the faster.
+        # loop crashed with them on an AMX Xeon. So "auto" measures, per CPU, and keeps the faster. (Without
+        # specdec's kernel patch, native/, their multi-token kernels round differently from 4 tokens up; with it,
+        # passes of up to 8 tokens reproduce one-token passes in either layout. The calibration checks, whichever.)
         self.repack = choose_repack(self.path, self.threads) if repack == "auto" else repack
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -232,7 +234,7 @@ CALIBRATION_WIDTHS = range(2, 9)  # verify widths checked: up to 7 draft tokens
 # Cached tokens before the checked passes: short; past the 512 cells where ggml's attention changes strategy for f16
 # caches; and a long context (prompts of a few pages). Beyond the longest, the engine verifies one token at a time.
 CALIBRATION_CONTEXTS = (16, 600, 4096)
-CALIBRATION_VERSION = 2  # bump when what is measured changes: older cached results are then measured again
+CALIBRATION_VERSION = 3  # bump when what is measured changes: older cached results are then measured again
 
 
 def _cached(model: LlamaCppModel, kind: str, measure) -> dict:
@@ -253,7 +255,7 @@ def _cached_json(path: Path, kind: str, settings: str, measure, describe: dict) 
     cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "") if os.path.exists(
         "/proc/cpuinfo") else os.uname().machine
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('llama_cpp_python')}|"
-                         f"{cpu}|{settings}|{CALIBRATION_VERSION}".encode()).hexdigest()[:24]
+                         f"{_kernels_id()}|{cpu}|{settings}|{CALIBRATION_VERSION}".encode()).hexdigest()[:24]
     cached = registry.cache_root() / "calibration" / f"{path.stem}-{kind}-{key}.json"
     try:
         return json.loads(cached.read_text())["measured"]
@@ -265,6 +267,20 @@ def _cached_json(path: Path, kind: str, settings: str, measure, describe: dict) 
     partial.write_text(json.dumps({"model": str(path), **describe, "measured": found}) + "\n")
     partial.replace(cached)
     return found
+
+
+@functools.cache
+def _kernels_id() -> str:
+    """A digest of the installed llama.cpp CPU kernels (libggml-cpu): two builds of the same llama-cpp-python release,
+    with and without specdec's kernel patch or for another CPU, calibrate differently."""
+    import hashlib
+
+    folder = Path(_lib().__file__).parent / "lib"
+    libraries = sorted(folder.glob("libggml-cpu*")) or sorted(folder.glob("*ggml*"))
+    digest = hashlib.sha256()
+    for library in libraries[:1]:
+        digest.update(library.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 LAYOUT_TIMING_TIMEOUT_S = 600  # loading a model twice and 20 one-token passes: seconds, even for a 7B on 2 cores
@@ -336,8 +352,9 @@ def _one_token_logits(runner: LlamaCppRunner, tokens: torch.Tensor) -> tuple[tor
     return torch.cat(rows), seconds
 
 
-def measure_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS) -> dict:
-    """Seconds of a one-token pass (median of 8) and of one pass over each width in widths, after 16 cached tokens."""
+def measure_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats: int = 3) -> dict:
+    """Seconds of a one-token pass (median of 8) and of a pass over each width in widths (median of `repeats`), after
+    16 cached tokens."""
     import statistics
     import time
 
@@ -346,13 +363,15 @@ def measure_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS) -> dict:
     runner = LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
     runner.forward(tokens[:, :prefix], last_only=True)
     _, single_s = _one_token_logits(runner, tokens[:, prefix:])
-    pass_s = {"1": statistics.median(single_s)}
-    for width in widths:
-        runner.rollback(prefix)
-        started = time.perf_counter()
-        runner.forward(tokens[:, prefix:prefix + width])
-        pass_s[str(width)] = time.perf_counter() - started
-    return {"pass_s": pass_s}
+    seconds = {width: [] for width in widths}
+    for _ in range(repeats):
+        for width in widths:
+            runner.rollback(prefix)
+            started = time.perf_counter()
+            runner.forward(tokens[:, prefix:prefix + width])
+            seconds[width].append(time.perf_counter() - started)
+    return {"pass_s": {"1": statistics.median(single_s),
+                       **{str(width): statistics.median(times) for width, times in seconds.items()}}}
 
 
 def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_CONTEXTS) -> dict:

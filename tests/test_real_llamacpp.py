@@ -123,3 +123,50 @@ def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(pair, long_prompt)
             assert baseline.generate(prompt, max_new_tokens=32).token_ids == theirs
     finally:
         peer.close()
+
+
+def _cpu_has_avx2() -> bool:
+    return any(line.startswith("flags") and " avx2" in line for line in open("/proc/cpuinfo"))
+
+
+def test_the_patched_kernels_verify_eight_tokens_exactly_at_every_calibrated_length(pair):
+    """specdec builds llama.cpp with multi-column K-quant kernels (native/llama.cpp-verify-columns.patch): a pass over
+    2-8 tokens gives each token the logits of a one-token pass bit for bit, in either weight layout, where llama.cpp's
+    own multi-token kernels round differently (exact up to 3 tokens with repacked layouts, 7 without)."""
+    if not _cpu_has_avx2():
+        pytest.skip("the patched kernels are x86 AVX2 code; other CPUs keep llama.cpp's own")
+    from specdec import llamacpp
+
+    target = pair[0].target
+    assert target.exact_widths == {length: max(llamacpp.CALIBRATION_WIDTHS) for length in target.exact_widths}
+    assert target.verify_width(16) == 8
+
+
+# Run in a fresh process, as llama.cpp reads its environment once: GGML_CPU_MULTI_COLUMN=0 turns the patched kernels
+# off, and llama.cpp's own multi-token kernels take the passes again.
+_WIDTHS = """
+import sys
+from specdec import llamacpp, registry
+model = llamacpp.LlamaCppModel(registry.gguf_file(sys.argv[1]), threads=2, repack=sys.argv[2] == "True")
+print(llamacpp.measure_exact_widths(model, contexts=(16,))["exact_width"]["16"])
+"""
+
+
+def test_negative_control_the_exactness_check_catches_llama_cpps_own_multi_token_kernels(pair):
+    """The calibration (and with it the check above) sees kernels that round by pass width: with the patched kernels
+    switched off, passes of 8 tokens of the draft model (4 with repacked layouts) no longer match one-token passes."""
+    import subprocess
+    import sys
+
+    from specdec import llamacpp
+
+    if not _cpu_has_avx2():
+        pytest.skip("the patched kernels are x86 AVX2 code")
+    draft = pair[0].draft
+    env = {**os.environ, "GGML_CPU_MULTI_COLUMN": "0"}
+    result = subprocess.run([sys.executable, "-c", _WIDTHS, registry.DEFAULT_DRAFT, str(draft.repack)],
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert int(result.stdout.split()[-1]) < 8
+    widths = llamacpp.measure_exact_widths(draft, contexts=(16,))["exact_width"]
+    assert widths == {"16": 8}  # the same file and context, with the patched kernels

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds llama-cpp-python from its source release, with specdec's patch to llama.cpp's CPU kernels applied, for this
+# CPU, and leaves the wheel in OUT. Extra CMake options come from $CMAKE_ARGS. A failed build leaves nothing in OUT.
+#
+#   native/build-llama-cpp-wheel.sh PYTHON VERSION OUT
+#
+# The patch (llama.cpp-verify-columns.patch, next to this script) adds multi-column K-quant dot products: a pass over
+# 2-8 tokens unpacks each weight block once for all of them, and each token's results are bit-identical to a
+# one-token pass, so a speculative verify pass is both cheaper and exact.
+set -euo pipefail
+
+python=$1 version=$2 out=$3
+here=$(cd "$(dirname "$0")" && pwd)
+work=$out.partial
+source_dir=$work/src/llama_cpp_python-$version
+
+rm -rf "$work"
+mkdir -p "$work/src"
+"$python" -m pip download --quiet --no-binary :all: --no-deps "llama-cpp-python==$version" -d "$work"
+tar -xzf "$work/llama_cpp_python-$version.tar.gz" -C "$work/src"
+patch --quiet --forward --batch -p1 -d "$source_dir/vendor/llama.cpp" < "$here/llama.cpp-verify-columns.patch"
+CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) "$python" -m pip wheel --quiet --no-cache-dir --no-deps "$source_dir" -w "$work"
+mkdir -p "$out"
+mv "$work"/llama_cpp_python-"$version"-*.whl "$out"/
+rm -rf "$work"
