@@ -187,6 +187,18 @@ def test_choosing_drafter_uses_lookup_on_repeated_text_and_the_model_elsewhere(t
     assert cycles_by(stats, "model") > cycles_by(stats, "suffix") and stats.accepted_tokens > 0
 
 
+def test_choosing_drafter_verifies_the_best_prefix_of_a_long_lookup_match(target):
+    """Where each verified token costs a third of a step (llama.cpp with specdec's kernels), all 8 tokens of a long
+    match are worth less than a plain step before any acceptance is seen, but its first tokens are worth more: the
+    choice verifies that prefix, and drafts more once lookup has proved right."""
+    moderate = Costs(verify=lambda width: 1.0 + 0.35 * (width - 1), draft_step=0.6)
+    drafter = chooser(target, moderate, close_noise=None)
+    decode(target, drafter, PROMPTS[1], 8)  # the answer is now in the suffix drafter's history
+    _, stats = decode(target, drafter, PROMPTS[1], 8)
+    assert cycles_by(stats, "suffix") > 0 and stats.accepted_tokens > 0
+    assert stats.drafted_by_position[0] > stats.drafted_by_position[-1] > 0  # short at first, longer later
+
+
 def test_choosing_drafter_is_capped_by_the_engines_k(target):
     drafter = chooser(target, FLAT)
     _, stats = decode(target, drafter, PROMPTS[2], 2)

@@ -10,7 +10,7 @@ clock, so a seeded sample repeats exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from specdec.adaptive import best_k, expected_tokens
@@ -69,9 +69,12 @@ class ChoosingDrafter(Drafter):
         verify = self.costs.verify
         options = {"none": (1.0 / verify(1), 0)}  # (expected tokens per target step, draft tokens)
         proposal = self.lookup.propose(context, k, sampling, generator) if k > 0 else Proposal.empty()
-        n = proposal.tokens.shape[1]
-        if n:
-            options["lookup"] = (expected_tokens(self.acceptance["lookup"].rate, n) / verify(n + 1), n)
+        if proposal.tokens.shape[1]:
+            # a prefix of the lookup's guess may be worth more than all of it: each token beyond costs verify time
+            a = self.acceptance["lookup"].rate
+            n = best_k(a, 0.0, verify, proposal.tokens.shape[1])
+            options["lookup"] = (expected_tokens(a, n) / verify(n + 1), n)
+            proposal = _prefix(proposal, n)
         if self.model_drafter is not None and k > 0:
             a, c = self.acceptance["model"].rate, self.costs.draft_step
             k_model = best_k(a, c, verify, k)
@@ -91,3 +94,11 @@ class ChoosingDrafter(Drafter):
             return
         self.acceptance[self.chosen].observe(n_drafted, n_accepted)
         (self.lookup if self.chosen == "lookup" else self.model_drafter).accept(n_drafted, n_accepted)
+
+
+def _prefix(proposal: Proposal, n: int) -> Proposal:
+    """The first n tokens of a proposal (and their q)."""
+    if proposal.tokens.shape[1] == n:
+        return proposal
+    probs = proposal.probs[:, :n] if proposal.probs is not None else None
+    return replace(proposal, tokens=proposal.tokens[:, :n], probs=probs)
