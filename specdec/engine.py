@@ -8,7 +8,7 @@ from typing import Iterator, Protocol
 
 import torch
 
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Drafter, Proposal
 from specdec.metrics import SpecStats
 from specdec.runners import Runner
 from specdec.sampling import SamplingConfig, logits_to_probs
@@ -40,75 +40,105 @@ def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tenso
     yields p at the k draft positions and at the bonus position. A runner whose logits depend on the width of a pass
     (or on the context length) says how wide a pass may be (verify_width), and no cycle drafts beyond it.
     """
-    stats = stats if stats is not None else SpecStats()
-    started = time.perf_counter()
-    drafter.begin(prompt_ids)
-    context = prompt_ids  # [1, n] every committed token
-    pending = target.forward(context, last_only=True)  # [1, 1, vocab]: p for the first new token
-    stats.target_calls += 1
-    stats.prefill_s = time.perf_counter() - started
-    emitted = 0
-    while emitted < max_new_tokens:
-        room = target.max_length - context.shape[1]  # positions left in the target's context
-        if room <= 0:
-            yield Step([], 0, "length")
-            break
-        budget = min(max_new_tokens - emitted, room)
+    sequence = Sequence(target, drafter, prompt_ids, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
+                        generator=generator, eos_ids=eos_ids, stats=stats)
+    while not sequence.done:
+        feed = sequence.propose()
+        started = time.perf_counter()
+        logits = target.forward(feed) if feed is not None else None
+        yield sequence.commit(logits, time.perf_counter() - started)
+
+
+class Sequence:
+    """One request being decoded: what the loop keeps between cycles, so that the cycles of several requests can
+    share target passes (decode_batch). A cycle is propose() -> one target pass over what it returns -> commit()."""
+
+    def __init__(self, target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
+                 max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator,
+                 eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None):
+        """Prefills the prompt [1, n] at once (its last row gives p for the first new token)."""
+        self.target, self.drafter, self.k = target, drafter, k
+        self.max_new_tokens, self.sampling, self.generator, self.eos_ids = max_new_tokens, sampling, generator, eos_ids
+        self.stats = stats if stats is not None else SpecStats()
+        self.started = time.perf_counter()
+        drafter.begin(prompt_ids)
+        self.context = prompt_ids  # [1, n] every committed token
+        self.pending = target.forward(prompt_ids, last_only=True)  # [1, 1, vocab]: p for the first new token
+        self.stats.target_calls += 1
+        self.stats.prefill_s = time.perf_counter() - self.started
+        self.emitted = 0
+        self.done = max_new_tokens <= 0
+        self._proposal: Proposal | None = None
+        self._drafted_s = 0.0
+
+    def propose(self, max_width: int | None = None) -> torch.Tensor | None:
+        """Draft this cycle -> the tokens the target must evaluate for it ([1, n]: the newest committed token, then
+        the draft), or None when the cycle needs no target pass (no room left, or the prefill's logits suffice).
+        max_width caps the pass further (a batch shares its exact width among its sequences)."""
         tick = time.perf_counter()
-        widest = verify_width(target, context.shape[1], max_new_tokens + 1)
+        room = self.target.max_length - self.context.shape[1]  # positions left in the target's context
+        if room <= 0:
+            self._proposal = None
+            return None
+        budget = min(self.max_new_tokens - self.emitted, room)
+        widest = verify_width(self.target, self.context.shape[1], self.max_new_tokens + 1)
         if widest == 1:
-            stats.narrowed_cycles += 1
+            self.stats.narrowed_cycles += 1
+        widest = min(widest, max_width or widest)
         # Drafting beyond budget - 1 tokens is wasted: the cycle emits n_accepted + 1 tokens.
-        proposal = drafter.propose(context, min(k.next_k(), budget - 1, widest - 1), sampling, generator)
-        draft = proposal.tokens  # [1, n_draft]
-        tock = time.perf_counter()
-        logits, calls = _verify_pass(target, context, draft, pending)  # [1, n_draft + 1, vocab]
-        pending = None
-        if sampling.greedy:
+        n = min(self.k.next_k(), budget - 1, widest - 1)
+        self._proposal = self.drafter.propose(self.context, max(n, 0), self.sampling, self.generator)
+        self._drafted_s = time.perf_counter() - tick
+        draft = self._proposal.tokens  # [1, n_draft]
+        if self.pending is None:
+            return torch.cat([self.context[:, -1:], draft], dim=1)
+        return draft if draft.shape[1] else None
+
+    def commit(self, logits: torch.Tensor | None, verify_s: float = 0.0) -> Step:
+        """Verify the proposal against the target's logits for the tokens propose() returned (None if it returned
+        None), commit the accepted prefix and the correction or bonus token, roll the caches back -> the Step."""
+        stats, proposal = self.stats, self._proposal
+        if proposal is None:  # the context is full
+            self.done = True
+            stats.total_s = time.perf_counter() - self.started
+            return Step([], 0, "length")
+        draft = proposal.tokens
+        if self.pending is not None:  # the first cycle: the prefill gave p at the newest token
+            logits = self.pending if logits is None else torch.cat([self.pending, logits], dim=1)
+            calls = int(draft.shape[1] > 0)
+            self.pending = None
+        else:
+            calls = 1
+        if self.sampling.greedy:
             tokens, n_accepted = greedy_verify(draft, logits)
         else:
-            tokens, n_accepted = rejection_sample(draft, proposal.probs, logits_to_probs(logits, sampling), generator)
+            tokens, n_accepted = rejection_sample(draft, proposal.probs, logits_to_probs(logits, self.sampling),
+                                                  self.generator)
         n_accepted = int(n_accepted[0])
-        target.rollback(context.shape[1] + n_accepted)
-        drafter.accept(draft.shape[1], n_accepted)
-        verified = time.perf_counter()
-        k.observe(draft.shape[1], n_accepted, tock - tick, verified - tock)
-        stats.draft_s += tock - tick
-        stats.verify_s += verified - tock
+        self.target.rollback(self.context.shape[1] + n_accepted)
+        self.drafter.accept(draft.shape[1], n_accepted)
+        self.k.observe(draft.shape[1], n_accepted, self._drafted_s, verify_s)
+        stats.draft_s += self._drafted_s
+        stats.verify_s += verify_s
         stats.target_calls += calls
         stats.draft_calls += proposal.forward_calls
-        stats.observe(draft.shape[1], n_accepted, proposal.source or drafter.name)
+        stats.observe(draft.shape[1], n_accepted, proposal.source or self.drafter.name)
 
-        new = tokens[0, : n_accepted + 1].tolist()
-        step = _truncate(new, n_accepted, budget, eos_ids)
-        context = torch.cat([context, tokens[:, : len(step.tokens)]], dim=1)
-        emitted += len(step.tokens)
-        stats.new_tokens = emitted
-        stats.total_s = time.perf_counter() - started
-        yield step
-        if step.finish_reason:
-            break
-    stats.total_s = time.perf_counter() - started
+        budget = min(self.max_new_tokens - self.emitted, self.target.max_length - self.context.shape[1])
+        step = _truncate(tokens[0, : n_accepted + 1].tolist(), n_accepted, budget, self.eos_ids)
+        self.context = torch.cat([self.context, tokens[:, : len(step.tokens)]], dim=1)
+        self.emitted += len(step.tokens)
+        stats.new_tokens = self.emitted
+        stats.total_s = time.perf_counter() - self.started
+        self.done = step.finish_reason is not None or self.emitted >= self.max_new_tokens
+        self._proposal = None
+        return step
 
 
 def verify_width(target: Runner, length: int, default: int) -> int:
     """The widest pass over the target that reproduces one-token passes bit for bit after `length` tokens."""
     width_at = getattr(target, "verify_width", None)  # optional in the Runner protocol
     return (width_at(length) if width_at is not None else None) or default
-
-
-def _verify_pass(target: Runner, context: torch.Tensor, draft: torch.Tensor,
-                 pending: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """Target logits at the newest token and after each draft token -> ([1, n_draft + 1, vocab], target calls).
-
-    pending: the newest token's logits when the prefill already computed them (the first cycle); only the draft is
-    then fed, and a cycle that drafted nothing needs no pass at all.
-    """
-    if pending is None:
-        return target.forward(torch.cat([context[:, -1:], draft], dim=1)), 1
-    if draft.shape[1] == 0:
-        return pending, 0
-    return torch.cat([pending, target.forward(draft)], dim=1), 1
 
 
 def _truncate(new: list[int], n_from_draft: int, budget: int, eos_ids: frozenset[int]) -> Step:

@@ -340,21 +340,15 @@ def _probe_tokens(model: LlamaCppModel, n: int) -> torch.Tensor:
     return torch.arange(n)[None] * 7919 % model.n_vocab  # [1, n] any in-vocabulary tokens
 
 
-def _one_token_logits(runner: LlamaCppRunner, tokens: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
-    """Logits of tokens [1, n] fed one pass each -> ([n, vocab], seconds of each pass)."""
-    import time
-
-    rows, seconds = [], []
-    for i in range(tokens.shape[1]):
-        started = time.perf_counter()
-        rows.append(runner.forward(tokens[:, i:i + 1])[0])
-        seconds.append(time.perf_counter() - started)
-    return torch.cat(rows), seconds
+def _one_token_logits(runner: LlamaCppRunner, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of tokens [1, n] fed one pass each -> [n, vocab]."""
+    return torch.cat([runner.forward(tokens[:, i:i + 1])[0] for i in range(tokens.shape[1])])
 
 
-def measure_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats: int = 3) -> dict:
-    """Seconds of a one-token pass (median of 8) and of a pass over each width in widths (median of `repeats`), after
-    16 cached tokens."""
+def measure_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats: int = 9) -> dict:
+    """Seconds of a pass over 1 token and over each width in widths after 16 cached tokens: medians of `repeats`
+    rounds, each round timing every width once (interleaved, so that a busy moment of a shared machine does not
+    fall on one width alone and skew the ratios that k="auto" and the per-cycle choice read)."""
     import statistics
     import time
 
@@ -362,16 +356,15 @@ def measure_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats: int 
     tokens = _probe_tokens(model, prefix + max(widths))
     runner = LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
     runner.forward(tokens[:, :prefix], last_only=True)
-    _, single_s = _one_token_logits(runner, tokens[:, prefix:])
-    seconds = {width: [] for width in widths}
+    runner.forward(tokens[:, prefix:prefix + 1])  # a first pass warms the caches
+    seconds = {width: [] for width in (1, *widths)}
     for _ in range(repeats):
-        for width in widths:
+        for width in seconds:
             runner.rollback(prefix)
             started = time.perf_counter()
             runner.forward(tokens[:, prefix:prefix + width])
             seconds[width].append(time.perf_counter() - started)
-    return {"pass_s": {"1": statistics.median(single_s),
-                       **{str(width): statistics.median(times) for width, times in seconds.items()}}}
+    return {"pass_s": {str(width): statistics.median(times) for width, times in seconds.items()}}
 
 
 def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_CONTEXTS) -> dict:
@@ -388,7 +381,7 @@ def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contex
         tokens = _probe_tokens(model, length + max(widths))
         runner = LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
         runner.forward(tokens[:, :length], last_only=True)
-        single, _ = _one_token_logits(runner, tokens[:, length:])
+        single = _one_token_logits(runner, tokens[:, length:])
         exact = 1
         for width in widths:
             runner.rollback(length)
