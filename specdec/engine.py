@@ -40,18 +40,18 @@ def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tenso
     yields p at the k draft positions and at the bonus position. A runner whose logits depend on the width of a pass
     (or on the context length) says how wide a pass may be (verify_width), and no cycle drafts beyond it.
     """
-    sequence = Sequence(target, drafter, prompt_ids, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
+    decoding = Decoding(target, drafter, prompt_ids, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
                         generator=generator, eos_ids=eos_ids, stats=stats)
-    while not sequence.done:
-        feed = sequence.propose()
+    while not decoding.done:
+        feed = decoding.propose()
         started = time.perf_counter()
         logits = target.forward(feed) if feed is not None else None
-        yield sequence.commit(logits, time.perf_counter() - started)
+        yield decoding.commit(logits, time.perf_counter() - started)
 
 
-class Sequence:
+class Decoding:
     """One request being decoded: what the loop keeps between cycles, so that the cycles of several requests can
-    share target passes (decode_batch). A cycle is propose() -> one target pass over what it returns -> commit()."""
+    share target passes (batch_cycle). A cycle is propose() -> one target pass over what it returns -> commit()."""
 
     def __init__(self, target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
                  max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator,
@@ -133,6 +133,42 @@ class Sequence:
         self.done = step.finish_reason is not None or self.emitted >= self.max_new_tokens
         self._proposal = None
         return step
+
+
+def batch_cycle(decodings: list[Decoding], width: int) -> list[Step]:
+    """One cycle of each unfinished decoding, their target passes fused (continuous batching with speculation).
+
+    width: the most tokens one fused pass may hold while every token still gets the logits of a one-token pass of its
+    own sequence (the runtime's calibrated batch width). Each decoding drafts within its share of it, the target
+    evaluates all of them in as few passes as the width allows, and each verifies, commits and rolls back on its
+    own: acceptance is ragged. With more decodings than the width, each takes a plain step (still one fused pass per
+    `width` sequences). -> each decoding's Step, in order.
+    """
+    share = max(1, width // max(1, len(decodings)))
+    feeds = [decoding.propose(share) for decoding in decodings]
+    started = time.perf_counter()
+    logits = iter(fused_forward([(d.target, feed) for d, feed in zip(decodings, feeds) if feed is not None], width))
+    elapsed = time.perf_counter() - started
+    return [d.commit(next(logits) if feed is not None else None, elapsed) for d, feed in zip(decodings, feeds)]
+
+
+def fused_forward(items: list[tuple[Runner, torch.Tensor]], width: int) -> list[torch.Tensor]:
+    """Each runner's logits for its tokens [1, n], evaluated in passes of at most `width` tokens in all: one pass per
+    group where the runners' model can evaluate several sequences at once (forward_many), else one per runner."""
+    outputs, group, size = [], [], 0
+    for runner, tokens in items + [(None, None)]:
+        if group and (runner is None or size + tokens.shape[1] > width):
+            model = getattr(group[0][0], "model", None)
+            forward_many = getattr(model, "forward_many", None)
+            if forward_many is not None and len(group) > 1 and all(r.model is model for r, _ in group):
+                outputs += forward_many(group)
+            else:
+                outputs += [r.forward(t) for r, t in group]
+            group, size = [], 0
+        if runner is not None:
+            group.append((runner, tokens))
+            size += tokens.shape[1]
+    return outputs
 
 
 def verify_width(target: Runner, length: int, default: int) -> int:

@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 import torch
 
 from specdec.adaptive import K_MAX, make_k_policy
-from specdec.drafters import ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
+from specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter, TargetInfo, build_drafter
 from specdec.drafters.choice import ChoosingDrafter, Costs
 from specdec.engine import speculative_decode
 from specdec.metrics import SpecStats
@@ -104,38 +104,90 @@ class SpeculativeGenerator:
                top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
                chat: bool = False, k: int | str | None = None) -> Iterator[Chunk]:
         """Yield chunks of new text as soon as each cycle commits them; the last chunk carries the stats."""
+        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k)
+        runner = new_runner(self.target, self.vocab_size)
+        request.check_length(runner)
+        steps = speculative_decode(runner, self.drafter, request.prompt_ids, k=request.k_policy(self.drafter),
+                                   max_new_tokens=max_new_tokens, sampling=request.sampling,
+                                   generator=request.generator, eos_ids=self.eos_ids, stats=request.stats)
+        for step in steps:
+            chunk = request.output.chunk(step)
+            yield chunk
+            if chunk.finish_reason:
+                return
+        yield request.output.end()
+
+    def generate_many(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
+                      top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                      stop: Sequence[str] = (), chat: bool = False) -> list[GenerationResult]:
+        """Generate for several prompts at once: each cycle, every unfinished prompt drafts on its own and one target
+        pass verifies all of their drafts (batched speculative decoding; llama.cpp only, other runtimes take turns).
+
+        Each prompt has its own drafter state, k, stats and random stream (seeded with seed + its index), and what it
+        produces does not depend on the other prompts: greedy output is the target's own, as generate()'s is, and a
+        seeded sample is the one generate_many([prompt], seed=seed + index) gives. A pass holds at most the target's
+        calibrated batch width of tokens (on llama.cpp with specdec's kernels, 8), within which every token's logits
+        are those of a one-token pass of its own sequence; more prompts than that share several passes and draft
+        nothing. Drafting in a batch is suffix lookup, chosen per cycle by the calibrated costs (draft models are
+        not batched). Results come in the order of the prompts.
+        """
+        from specdec.engine import Decoding, batch_cycle
+
+        requests = [self._request(prompt, max_new_tokens, temperature, top_k, top_p,
+                                  None if seed is None else seed + i, stop, chat, None)
+                    for i, prompt in enumerate(prompts)]
+        fused = hasattr(self.target, "new_batch_runner")
+        pending, active = list(enumerate(requests)), []
+        try:
+            while pending or active:
+                # Continuous batching: a request joins between cycles as soon as a slot is free.
+                while pending and (not fused or self.target.free_batch_slots > 0):
+                    i, request = pending.pop(0)
+                    runner = (self.target.new_batch_runner(self.vocab_size) if fused
+                              else new_runner(self.target, self.vocab_size))
+                    drafter = self._batch_drafter()
+                    try:
+                        request.check_length(runner)
+                        decoding = Decoding(runner, drafter, request.prompt_ids, k=request.k_policy(drafter),
+                                            max_new_tokens=max_new_tokens, sampling=request.sampling,
+                                            generator=request.generator, eos_ids=self.eos_ids, stats=request.stats)
+                    except BaseException:
+                        _close(runner)
+                        raise
+                    active.append((request, decoding))
+                    if decoding.done:  # nothing to generate
+                        request.output.collect(request.output.end())
+                width = self.target.batch_width if fused else (K_MAX + 1) * len(active)
+                decodings = [decoding for _, decoding in active if not decoding.done]
+                for (request, decoding), step in zip([a for a in active if not a[1].done],
+                                                     batch_cycle(decodings, width) if decodings else []):
+                    if request.output.collect(request.output.chunk(step)).finish_reason:
+                        decoding.done = True  # a stop string may end it before the engine would
+                for request, decoding in active:
+                    if decoding.done:
+                        _close(decoding.target)
+                active = [(request, decoding) for request, decoding in active if not decoding.done]
+        finally:
+            for _, decoding in active:
+                _close(decoding.target)
+        return [request.output.result() for request in requests]
+
+    def _batch_drafter(self):
+        """A drafter of its own for one sequence of a batch."""
+        if isinstance(self.drafter, (NoDrafter, NgramDrafter)):
+            return self.drafter  # no per-request state
+        if hasattr(self.target, "verify_cost"):
+            return ChoosingDrafter(SuffixDrafter(), None, Costs(self.target.verify_cost, 1.0))
+        return SuffixDrafter()
+
+    def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k) -> _Request:
+        """One request's settings, checked, and its output under construction."""
         sampling = SamplingConfig(temperature, top_k, top_p)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        # A seeded sample must not depend on the clock: k decides how the random stream is consumed.
-        timed = sampling.greedy or seed is None
-        k = self.k if k is None else k
-        if getattr(self.drafter, "chooses_k", False):  # the drafter decides; k only caps it
-            k_policy = make_k_policy(K_MAX if k == "auto" else k)
-        else:
-            k_policy = make_k_policy(k, timed=timed, **self._k_priors())
-        prompt_ids = self.encode(prompt, chat)
-        runner = new_runner(self.target, self.vocab_size)
-        if prompt_ids.shape[1] >= runner.max_length:
-            raise ValueError(f"the prompt has {prompt_ids.shape[1]} tokens; the target's context holds "
-                             f"{runner.max_length}: shorten the prompt")
         stats = SpecStats()
-        text = _Detokenizer(self.tokenizer, stop)
-        steps = speculative_decode(runner, self.drafter, prompt_ids, k=k_policy, max_new_tokens=max_new_tokens,
-                                   sampling=sampling, generator=make_generator(seed), eos_ids=self.eos_ids,
-                                   stats=stats)
-        for step in steps:
-            delta, kept, stopped = text.add(step.tokens)
-            tokens, n_from_draft = step.tokens[:kept], min(step.n_from_draft, kept)
-            if stopped:
-                stats.new_tokens -= len(step.tokens) - kept
-                yield Chunk(delta, tokens, n_from_draft, "stop", stats)
-                return
-            if step.finish_reason:
-                yield Chunk(delta + text.flush(), tokens, n_from_draft, step.finish_reason, stats)
-                return
-            yield Chunk(delta, tokens, n_from_draft)
-        yield Chunk(text.flush(), [], 0, "length", stats)
+        return _Request(self.encode(prompt, chat), sampling, make_generator(seed), self.k if k is None else k,
+                        self._k_priors(), stats, _Output(self.tokenizer, stop, stats), seed)
 
     @property
     def context_length(self) -> int:
@@ -158,12 +210,72 @@ class SpeculativeGenerator:
                  top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
                  chat: bool = False, k: int | str | None = None) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt (text or token ids). temperature 0 is greedy."""
-        token_ids, from_draft, texts = [], [], []
+        output = None
         for chunk in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k):
-            token_ids += chunk.token_ids
-            from_draft += [i < chunk.n_from_draft for i in range(len(chunk.token_ids))]
-            texts.append(chunk.text)
-        return GenerationResult(token_ids, "".join(texts), chunk.stats, chunk.finish_reason, from_draft)
+            output = output or _Output(None, (), chunk.stats)
+            output.collect(chunk)
+        return output.result()
+
+
+@dataclass
+class _Request:
+    prompt_ids: torch.Tensor  # [1, n]
+    sampling: SamplingConfig
+    generator: torch.Generator
+    k: int | str
+    k_priors: dict
+    stats: SpecStats
+    output: _Output
+    seed: int | None
+
+    def k_policy(self, drafter):
+        if getattr(drafter, "chooses_k", False):  # the drafter decides; k only caps it
+            return make_k_policy(K_MAX if self.k == "auto" else self.k)
+        # A seeded sample must not depend on the clock: k decides how the random stream is consumed.
+        timed = self.sampling.greedy or self.seed is None
+        return make_k_policy(self.k, timed=timed, **self.k_priors)
+
+    def check_length(self, runner) -> None:
+        if self.prompt_ids.shape[1] >= runner.max_length:
+            raise ValueError(f"the prompt has {self.prompt_ids.shape[1]} tokens; the target's context holds "
+                             f"{runner.max_length}: shorten the prompt")
+
+
+class _Output:
+    """A request's steps turned into chunks (text detokenized, cut at stop strings) and gathered into a result."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], stats: SpecStats):
+        self.text = _Detokenizer(tokenizer, stop)
+        self.stats = stats
+        self.token_ids: list[int] = []
+        self.from_draft: list[bool] = []
+        self.texts: list[str] = []
+        self.finish_reason: str | None = None
+
+    def chunk(self, step) -> Chunk:
+        delta, kept, stopped = self.text.add(step.tokens)
+        tokens, n_from_draft = step.tokens[:kept], min(step.n_from_draft, kept)
+        if stopped:
+            self.stats.new_tokens -= len(step.tokens) - kept
+            return Chunk(delta, tokens, n_from_draft, "stop", self.stats)
+        if step.finish_reason:
+            return Chunk(delta + self.text.flush(), tokens, n_from_draft, step.finish_reason, self.stats)
+        return Chunk(delta, tokens, n_from_draft)
+
+    def end(self) -> Chunk:
+        """The last chunk when generation ended without a finish reason (no tokens asked for)."""
+        return Chunk(self.text.flush(), [], 0, "length", self.stats)
+
+    def collect(self, chunk: Chunk) -> Chunk:
+        self.token_ids += chunk.token_ids
+        self.from_draft += [i < chunk.n_from_draft for i in range(len(chunk.token_ids))]
+        self.texts.append(chunk.text)
+        self.finish_reason = chunk.finish_reason or self.finish_reason
+        return chunk
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.token_ids, "".join(self.texts), self.stats, self.finish_reason,
+                                self.from_draft)
 
 
 class _Detokenizer:
@@ -212,6 +324,12 @@ class _Detokenizer:
         text = self._decode()
         delta, self.sent = text[self.sent:], max(self.sent, len(text))
         return delta
+
+
+def _close(runner) -> None:
+    close = getattr(runner, "close", None)  # a batch slot's runner gives its slot back
+    if close is not None:
+        close()
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -37,6 +37,8 @@ KV_CACHE_TYPES = {"f16": 1, "bf16": 30, "q8_0": 8}
 # 2.4743 (+0.2%). q8_0, because a separate bf16 run once took 267 ms at 4096 tokens (q8_0: 82): half the bytes per
 # cached token stay in the CPU's caches longer.
 DEFAULT_KV_CACHE = "q8_0"
+DEFAULT_BATCH_SLOTS = 8  # sequences a model's batch context holds (the server's --max-batch)
+DEFAULT_SLOT_TOKENS = 4096  # KV cache per batched sequence, prompt and new tokens
 
 
 class LlamaCppUnavailable(ValueError):
@@ -148,6 +150,8 @@ class LlamaCppModel:
         self._context: _Context | None = None
         self._costs: dict | None = None
         self._exact_widths: dict[int, int] | None = None
+        self._batch_width: int | None = None
+        self._slots: _Slots | None = None  # the batch context, created by the first new_batch_runner
 
     @property
     def costs(self) -> dict:
@@ -204,6 +208,66 @@ class LlamaCppModel:
 
     def new_runner(self, vocab_size: int) -> LlamaCppRunner:
         return LlamaCppRunner(self, vocab_size)
+
+    def new_batch_runner(self, vocab_size: int, slots: int = DEFAULT_BATCH_SLOTS,
+                         slot_tokens: int = DEFAULT_SLOT_TOKENS) -> LlamaCppRunner:
+        """A sequence in a free slot of the model's batch context (created on first use with `slots` sequences of up
+        to `slot_tokens` tokens each): such runners can share passes (forward_many). Its slot is freed when the
+        runner is closed or collected."""
+        if self._slots is None:
+            self._slots = _Slots(_Context(self, min(slot_tokens, self.max_length), n_seq=slots))
+        return LlamaCppRunner(self, vocab_size, slots=self._slots)
+
+    @property
+    def free_batch_slots(self) -> int:
+        """Sequences that new_batch_runner can still start now."""
+        return DEFAULT_BATCH_SLOTS if self._slots is None else len(self._slots.free)
+
+    def forward_many(self, items: list[tuple[LlamaCppRunner, torch.Tensor]]) -> list[torch.Tensor]:
+        """Several sequences' new tokens in one llama.cpp pass -> each one's logits [1, n, vocab], as its runner's
+        forward would give them. The runners must hold slots of one batch context of this model. With
+        specdec's kernels each token's logits are those of a one-token pass of its own sequence while the pass holds
+        at most batch_width tokens (the calibration checks it)."""
+        if not items:
+            return []
+        context = items[0][0].context
+        entries = []
+        for runner, ids in items:
+            if runner.model is not self or runner._slots is None or runner.context is not context:
+                raise ValueError("forward_many takes runners in slots of one batch context of this model "
+                                 "(new_batch_runner)")
+            tokens = ids[0].tolist()
+            runner._own_context(runner.length + len(tokens))
+            entries += [(runner, runner.length + i, token) for i, token in enumerate(tokens)]
+        if len(entries) > BATCH:
+            raise ValueError(f"one pass holds at most {BATCH} tokens, got {len(entries)}")
+        lib, batch = context.lib, context.batch
+        for i, (runner, position, token) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, True
+            batch.seq_id[i][0] = runner.seq
+        batch.n_tokens = len(entries)
+        status = lib.llama_decode(context.ctx, batch)
+        if status != 0:
+            for runner, _ in items:  # the cache may hold part of the batch: cut every sequence back
+                lib.llama_memory_seq_rm(context.memory, runner.seq, runner.length, -1)
+            raise RuntimeError(f"llama.cpp failed to evaluate {len(entries)} tokens (llama_decode returned {status})")
+        rows = [np.ctypeslib.as_array(lib.llama_get_logits_ith(context.ctx, i), shape=(self.n_vocab,)).copy()
+                for i in range(len(entries))]
+        outputs, start = [], 0
+        for runner, ids in items:
+            n = ids.shape[1]
+            outputs.append(torch.from_numpy(np.stack(rows[start:start + n]))[None, :, : runner.vocab_size])
+            runner._length += n
+            start += n
+        return outputs
+
+    @property
+    def batch_width(self) -> int:
+        """The most tokens, over one or several sequences, that a pass may hold while every token still gets the
+        logits of a one-token pass of its own sequence (measured once, like exact_widths: see measure_batch_width)."""
+        if self._batch_width is None:
+            self._batch_width = _cached(self, "batching", measure_batch_width)["batch_width"]
+        return min(self._batch_width, min(self.exact_widths.values()))
 
     def _claim(self, owner: LlamaCppRunner) -> _Context:
         """The model's context, emptied and handed to owner (created on first use)."""
@@ -391,6 +455,59 @@ def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contex
     return {"exact_width": found}
 
 
+def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS) -> dict:
+    """Several sequences in one pass: for each w in widths, w sequences (different prompts, one new token each) and
+    a ragged mix (one sequence with the rest of the w tokens) evaluated together against each sequence's own
+    one-token passes -> {"batch_width": the largest w such that every fused pass of 2..w tokens gave every token its
+    one-token logits bit for bit (1 if none did)}."""
+    n = max(widths)
+    prompts = [_probe_tokens(model, 40 + 3 * i)[:, 1 + i:] for i in range(n)]  # n different prompts of 39-60 tokens
+    solo = []
+    for prompt in prompts:  # each sequence alone: its next n tokens one pass at a time
+        runner = LlamaCppRunner(model, model.n_vocab, private_context=prompt.shape[1] + n)
+        runner.forward(prompt[:, :-n], last_only=True)
+        solo.append(_one_token_logits(runner, prompt[:, -n:]))
+    slots = _Slots(_Context(model, 64 + n, n_seq=n))
+    runners = [LlamaCppRunner(model, model.n_vocab, slots=slots) for _ in prompts]
+    for runner, prompt in zip(runners, prompts):
+        runner.forward(prompt[:, :-n], last_only=True)
+    widest = 1
+    for width in widths:
+        mixes = [[(i, 1) for i in range(width)], [(0, width - 1), (1, 1)]]  # one token each; ragged
+        exact = True
+        for mix in mixes:
+            items = [(runners[i], prompts[i][:, -n:][:, :count]) for i, count in mix]
+            for (i, count), logits in zip(mix, model.forward_many(items)):
+                exact = exact and torch.equal(logits[0], solo[i][:count])
+                runners[i].rollback(prompts[i].shape[1] - n)
+        if not (exact and widest == width - 1):
+            break
+        widest = width
+    for runner in runners:
+        runner.close()
+    slots.context.free()
+    return {"batch_width": widest}
+
+
+class _Slots:
+    """A batch context's sequence ids, handed to runners and taken back."""
+
+    def __init__(self, context: _Context):
+        self.context = context
+        self.free = list(range(context.lib.llama_n_seq_max(context.ctx)))[::-1]
+
+    def take(self) -> int:
+        if not self.free:
+            raise RuntimeError(f"all {self.context.lib.llama_n_seq_max(self.context.ctx)} batch slots are in use: "
+                               "close a runner first (or ask for more slots)")
+        return self.free.pop()
+
+    def give(self, seq: int) -> None:
+        if self.context.ctx:
+            self.context.lib.llama_memory_seq_rm(self.context.memory, seq, 0, -1)
+        self.free.append(seq)
+
+
 def _free(lib, model, context_box) -> None:
     if context_box[0] is not None:
         context_box[0].free()
@@ -398,14 +515,16 @@ def _free(lib, model, context_box) -> None:
 
 
 class _Context:
-    """One llama.cpp context (KV cache for one sequence, id 0) and a reusable batch."""
+    """One llama.cpp context and a reusable batch: a KV cache for one sequence (id 0), or for n_seq sequences with a
+    stream of `size` tokens each (ids 0..n_seq-1), each laid out as if it were alone."""
 
-    def __init__(self, model: LlamaCppModel, size: int):
+    def __init__(self, model: LlamaCppModel, size: int, n_seq: int = 1):
         lib = self.lib = _lib()
         params = lib.llama_context_default_params()
-        params.n_ctx = size
+        params.n_ctx = size * n_seq
         params.n_batch = params.n_ubatch = BATCH
-        params.n_seq_max = 1
+        params.n_seq_max = n_seq
+        params.kv_unified = n_seq == 1
         params.n_threads = params.n_threads_batch = model.threads
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.type_k = params.type_v = KV_CACHE_TYPES[model.kv_cache]
@@ -413,7 +532,7 @@ class _Context:
         self.ctx = lib.llama_init_from_model(model._model, params)
         if not self.ctx:
             raise MemoryError(f"llama.cpp could not allocate a context of {size} tokens for {model.path.name}")
-        self.size = lib.llama_n_ctx(self.ctx)
+        self.size = lib.llama_n_ctx(self.ctx) // n_seq  # tokens per sequence
         self.memory = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(BATCH, 0, 1)
         self.owner = None
@@ -442,18 +561,30 @@ class _Context:
 class LlamaCppRunner:
     """One sequence on a LlamaCppModel: forward over new tokens (logits of each, or the last), roll back."""
 
-    def __init__(self, model: LlamaCppModel, vocab_size: int, private_context: int | None = None):
+    def __init__(self, model: LlamaCppModel, vocab_size: int, private_context: int | None = None,
+                 slots: _Slots | None = None):
         """private_context: a context of that many tokens of this runner's own (freed with the runner), leaving the
-        model's shared one alone: for the calibration, which may run while a sequence is being generated."""
+        model's shared one alone: for the calibration, which may run while a sequence is being generated.
+        slots: a batch context to take a sequence slot of (freed by close() or with the runner)."""
         self.model = model
         self.vocab_size = vocab_size
         self.max_length = model.max_length
-        if private_context is None:
-            self.context, self._private = model._claim(self), False
+        self.seq, self._slots, self._private = 0, slots, private_context is not None
+        if slots is not None:
+            self.context, self.seq = slots.context, slots.take()
+            self.max_length = min(model.max_length, slots.context.size)
+            self._release = weakref.finalize(self, slots.give, self.seq)
+        elif private_context is None:
+            self.context = model._claim(self)
         else:
-            self.context, self._private = _Context(model, private_context), True
+            self.context = _Context(model, private_context)
             weakref.finalize(self, self.context.free)
         self._length = 0
+
+    def close(self) -> None:
+        """Give a batch slot back (a no-op for other runners)."""
+        if self._slots is not None:
+            self._release()
 
     def verify_width(self, length: int) -> int:
         return self.model.verify_width(length)
@@ -483,13 +614,13 @@ class LlamaCppRunner:
             batch.token[i] = token
             batch.pos[i] = self._length + i
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
+            batch.seq_id[i][0] = self.seq
             batch.logits[i] = want
         batch.n_tokens = len(tokens)
         status = lib.llama_decode(context.ctx, batch)
         if status != 0:
             # The cache may hold part of the batch now; cut it back so the runner stays consistent.
-            lib.llama_memory_seq_rm(context.memory, 0, self._length, -1)
+            lib.llama_memory_seq_rm(context.memory, self.seq, self._length, -1)
             raise RuntimeError(f"llama.cpp failed to evaluate {len(tokens)} tokens (llama_decode returned {status})")
         self._length += len(tokens)
         n_vocab = self.model.n_vocab
@@ -497,9 +628,11 @@ class LlamaCppRunner:
                 for i, want in enumerate(wanted) if want]
 
     def _own_context(self, needed: int) -> _Context:
-        if self._private:
+        if self._private or self._slots is not None:
+            if not self.context.ctx or (self._slots is not None and not self._release.alive):
+                raise RuntimeError("this runner was closed; start a new one")
             if needed > self.context.size:
-                raise ValueError(f"{needed} tokens exceed this runner's private context of {self.context.size}")
+                raise ValueError(f"{needed} tokens exceed this runner's context of {self.context.size} tokens")
             return self.context
         context = self.model._context
         if context is None or context.owner is not self:
@@ -514,6 +647,6 @@ class LlamaCppRunner:
     def rollback(self, length: int) -> None:
         if length < self._length:
             context = self._own_context(length)
-            if not context.lib.llama_memory_seq_rm(context.memory, 0, length, -1):
+            if not context.lib.llama_memory_seq_rm(context.memory, self.seq, length, -1):
                 raise RuntimeError(f"llama.cpp could not remove cache entries past position {length}")
             self._length = length
