@@ -316,3 +316,35 @@ def test_negative_control_a_clock_driven_k_changes_the_sample(gen, monkeypatch):
     settings = dict(max_new_tokens=40, temperature=0.8, seed=3, k="auto")
     runs = {tuple(gen.generate("abc", **settings).token_ids) for _ in range(6)}
     assert len(runs) > 1
+
+
+# --- several prompts at once (generate_many) -------------------------------------------------------------------------
+
+MANY = ["def f(x):", "hello world", "a", "abcabcabc", "xyz xyz", "the cat sat on the mat"]
+
+
+def test_generate_many_gives_each_prompt_its_solo_greedy_output(gen, baseline):
+    """Mixed prompts, lengths and finish reasons (token budget, stop string) in one batch: each equals generate()."""
+    for settings in [dict(max_new_tokens=25), dict(max_new_tokens=40, stop=["a", "x "])]:
+        together = gen.generate_many(MANY, **settings)
+        for prompt, out in zip(MANY, together):
+            alone = baseline.generate(prompt, **settings)
+            assert (out.token_ids, out.text, out.finish_reason) == (alone.token_ids, alone.text, alone.finish_reason)
+    assert any(out.finish_reason == "stop" for out in together) and sum(o.stats.drafted_tokens for o in together) > 0
+
+
+def test_generate_many_seeded_sample_does_not_depend_on_the_rest_of_the_batch(gen):
+    settings = dict(max_new_tokens=20, temperature=1.0, top_p=0.9)
+    together = gen.generate_many(MANY, seed=5, **settings)
+    for i, prompt in enumerate(MANY):
+        alone = gen.generate_many([prompt], seed=5 + i, **settings)[0]
+        assert together[i].token_ids == alone.token_ids
+    assert len({tuple(out.token_ids) for out in together}) > 1
+
+
+def test_generate_many_edge_cases(gen):
+    assert gen.generate_many([]) == []
+    out = gen.generate_many(["abc", "de"], max_new_tokens=0)
+    assert [o.token_ids for o in out] == [[], []] and [o.finish_reason for o in out] == ["length", "length"]
+    with pytest.raises(ValueError, match="empty"):
+        gen.generate_many(["abc", ""])

@@ -432,3 +432,43 @@ def test_repacked_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(g
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
     assert llamacpp._measure_repack(bad, 1) == {"repack": False, "worker_exit_code": 1}
+
+
+# --- several sequences in one pass (generate_many) -------------------------------------------------------------------
+
+def test_a_fused_pass_gives_each_sequence_its_own_logits(model):
+    """The batch calibration on this file: fused passes of up to 8 tokens over several sequences (one token each, and
+    ragged) reproduce each sequence's one-token passes bit for bit."""
+    from specdec import llamacpp
+
+    target, _ = model
+    assert llamacpp.measure_batch_width(target) == {"batch_width": 8}
+    assert target.batch_width == 8
+
+
+def test_generate_many_equals_generate_for_every_prompt_and_frees_its_slots(model, baseline):
+    """More prompts than batch slots (later ones join as earlier ones finish), mixed lengths, a stop string."""
+    from specdec import llamacpp
+
+    target, tokenizer = model
+    gen = SpeculativeGenerator(target, "suffix", tokenizer=tokenizer)
+    prompts = PROMPTS + ["Once upon a time", "1, 2, 3, 4, 5,", "def add(a, b):", "Roses are red,"] * 2
+    assert len(prompts) > llamacpp.DEFAULT_BATCH_SLOTS
+    for settings in [dict(max_new_tokens=24), dict(max_new_tokens=30, stop=["\n\n", "."])]:
+        together = gen.generate_many(prompts, **settings)
+        for prompt, out in zip(prompts, together):
+            alone = baseline.generate(prompt, **settings)
+            assert (out.token_ids, out.finish_reason) == (alone.token_ids, alone.finish_reason), prompt
+    assert {out.finish_reason for out in together} == {"stop", "length"}
+    assert target.free_batch_slots == llamacpp.DEFAULT_BATCH_SLOTS
+
+
+def test_batch_runners_refuse_what_they_cannot_do(model):
+    target, _ = model
+    runner = target.new_batch_runner(target.n_vocab)
+    other = target.new_runner(target.n_vocab)
+    with pytest.raises(ValueError, match="batch context"):
+        target.forward_many([(runner, torch.tensor([[1, 2]])), (other, torch.tensor([[3]]))])
+    runner.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.forward(torch.tensor([[1]]))

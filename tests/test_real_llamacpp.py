@@ -170,3 +170,13 @@ def test_negative_control_the_exactness_check_catches_llama_cpps_own_multi_token
     assert int(result.stdout.split()[-1]) < 8
     widths = llamacpp.measure_exact_widths(draft, contexts=(16,))["exact_width"]
     assert widths == {"16": 8}  # the same file and context, with the patched kernels
+
+
+def test_generate_many_on_the_default_pair_equals_each_prompts_own_output(pair):
+    speculative, baseline = pair
+    gen = SpeculativeGenerator(speculative.target, speculative.drafter, tokenizer=speculative.tokenizer)
+    prompts = human_eval_prompts(4) + ["Summarise: the cat sat on the mat because the mat was warm."]
+    together = gen.generate_many(prompts, max_new_tokens=32, chat=True)
+    for prompt, out in zip(prompts, together):
+        assert out.token_ids == baseline.generate(prompt, max_new_tokens=32, chat=True).token_ids
+    assert speculative.target.batch_width == 8

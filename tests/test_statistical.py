@@ -146,3 +146,38 @@ def test_negative_control_wrong_warping_is_detected(monkeypatch):
     counts = sample_sequences(make_drafter, k, n_new, sampling)
     rare = {s for s, p in expected.items() if p == 0}
     assert set(counts) & rare or chi_square_p_value(counts, expected) < ALPHA
+
+
+def sample_sequences_in_batches(n_new: int, sampling: SamplingConfig, batch: int = 4) -> dict[tuple[int, ...], int]:
+    """DRAWS sequences, decoded `batch` at a time by batch_cycle: model and deterministic drafters side by side with
+    k = 1, 2, 3, so that every cycle mixes proposals of different lengths and acceptance is ragged."""
+    from specdec.engine import Decoding, batch_cycle
+
+    counts: dict[tuple[int, ...], int] = {}
+    generator = make_generator(4321)
+    for _ in range(DRAWS // batch):
+        decodings = [Decoding(ToyRunner(VOCAB, seed=0), draft_model() if i % 2 else RepeatDrafter(),
+                              torch.tensor([PROMPT]), k=FixedK(1 + i % 3), max_new_tokens=n_new, sampling=sampling,
+                              generator=generator) for i in range(batch)]
+        tokens: list[list[int]] = [[] for _ in decodings]
+        while live := [i for i, d in enumerate(decodings) if not d.done]:
+            for i, step in zip(live, batch_cycle([decodings[i] for i in live], width=64)):
+                tokens[i] += step.tokens
+        for seq in tokens:
+            counts[tuple(seq)] = counts.get(tuple(seq), 0) + 1
+    return counts
+
+
+def test_sampling_inside_a_batch_matches_target_distribution():
+    sampling = SamplingConfig(temperature=1.0)
+    expected = target_distribution(ToyRunner(VOCAB, seed=0), 3, sampling)
+    assert chi_square_p_value(sample_sequences_in_batches(3, sampling), expected) > ALPHA
+
+
+def test_negative_control_a_wrong_verifier_inside_a_batch_is_detected(monkeypatch):
+    monkeypatch.setattr(specdec.engine, "rejection_sample", accept_everything)
+    sampling = SamplingConfig(temperature=1.0)
+    expected = target_distribution(ToyRunner(VOCAB, seed=0), 3, sampling)
+    counts = sample_sequences_in_batches(3, sampling)
+    rare = {s for s, p in expected.items() if p == 0}
+    assert set(counts) & rare or chi_square_p_value(counts, expected) < ALPHA
