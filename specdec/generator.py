@@ -8,9 +8,9 @@ from typing import Iterator, Sequence
 import torch
 
 from specdec.adaptive import K_MAX, make_k_policy
-from specdec.drafters import ModelDrafter, NgramDrafter, NoDrafter, SuffixDrafter, TargetInfo, build_drafter
+from specdec.drafters import ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
 from specdec.drafters.choice import ChoosingDrafter, Costs
-from specdec.engine import speculative_decode
+from specdec.engine import Decoding, batch_cycle, speculative_decode
 from specdec.metrics import SpecStats
 from specdec.models import load_model, own_vocab_size, pick_runtime
 from specdec.runners import check_rollback_supported, context_length, new_runner
@@ -104,7 +104,7 @@ class SpeculativeGenerator:
                top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
                chat: bool = False, k: int | str | None = None) -> Iterator[Chunk]:
         """Yield chunks of new text as soon as each cycle commits them; the last chunk carries the stats."""
-        request = self._request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k)
+        request = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k)
         runner = new_runner(self.target, self.vocab_size)
         request.check_length(runner)
         steps = speculative_decode(runner, self.drafter, request.prompt_ids, k=request.k_policy(self.drafter),
@@ -125,69 +125,35 @@ class SpeculativeGenerator:
 
         Each prompt has its own drafter state, k, stats and random stream (seeded with seed + its index), and what it
         produces does not depend on the other prompts: greedy output is the target's own, as generate()'s is, and a
-        seeded sample is the one generate_many([prompt], seed=seed + index) gives. A pass holds at most the target's
-        calibrated batch width of tokens (on llama.cpp with specdec's kernels, 8), within which every token's logits
-        are those of a one-token pass of its own sequence; more prompts than that share several passes and draft
-        nothing. Drafting in a batch is suffix lookup, chosen per cycle by the calibrated costs (draft models are
-        not batched). Results come in the order of the prompts.
+        seeded sample is the one generate(prompt, seed=seed + index) gives. Each prompt drafts with a copy of the
+        generator's drafter (Drafter.fork: a draft model gets a sequence slot per prompt; its steps are not fused).
+        A pass holds at most the target's calibrated batch width of tokens (on llama.cpp with specdec's kernels, 8),
+        within which every token's logits are those of a one-token pass of its own sequence; with more prompts than
+        that, they share several passes and draft nothing. Results come in the order of the prompts.
         """
-        from specdec.engine import Decoding, batch_cycle
-
-        requests = [self._request(prompt, max_new_tokens, temperature, top_k, top_p,
-                                  None if seed is None else seed + i, stop, chat, None)
+        requests = [self.request(prompt, max_new_tokens, temperature, top_k, top_p,
+                                 None if seed is None else seed + i, stop, chat)
                     for i, prompt in enumerate(prompts)]
-        fused = hasattr(self.target, "new_batch_runner")
-        pending, active = list(enumerate(requests)), []
+        batch, pending = Batch(self), list(requests)
         try:
-            while pending or active:
-                # Continuous batching: a request joins between cycles as soon as a slot is free.
-                while pending and (not fused or self.target.free_batch_slots > 0):
-                    i, request = pending.pop(0)
-                    runner = (self.target.new_batch_runner(self.vocab_size) if fused
-                              else new_runner(self.target, self.vocab_size))
-                    drafter = self._batch_drafter()
-                    try:
-                        request.check_length(runner)
-                        decoding = Decoding(runner, drafter, request.prompt_ids, k=request.k_policy(drafter),
-                                            max_new_tokens=max_new_tokens, sampling=request.sampling,
-                                            generator=request.generator, eos_ids=self.eos_ids, stats=request.stats)
-                    except BaseException:
-                        _close(runner)
-                        raise
-                    active.append((request, decoding))
-                    if decoding.done:  # nothing to generate
-                        request.output.collect(request.output.end())
-                width = self.target.batch_width if fused else (K_MAX + 1) * len(active)
-                decodings = [decoding for _, decoding in active if not decoding.done]
-                for (request, decoding), step in zip([a for a in active if not a[1].done],
-                                                     batch_cycle(decodings, width) if decodings else []):
-                    if request.output.collect(request.output.chunk(step)).finish_reason:
-                        decoding.done = True  # a stop string may end it before the engine would
-                for request, decoding in active:
-                    if decoding.done:
-                        _close(decoding.target)
-                active = [(request, decoding) for request, decoding in active if not decoding.done]
+            while pending or batch.active:
+                while pending and batch.has_room():  # continuous batching: join as soon as a slot is free
+                    batch.add(pending.pop(0))
+                batch.step()
         finally:
-            for _, decoding in active:
-                _close(decoding.target)
+            batch.close()
         return [request.output.result() for request in requests]
 
-    def _batch_drafter(self):
-        """A drafter of its own for one sequence of a batch."""
-        if isinstance(self.drafter, (NoDrafter, NgramDrafter)):
-            return self.drafter  # no per-request state
-        if hasattr(self.target, "verify_cost"):
-            return ChoosingDrafter(SuffixDrafter(), None, Costs(self.target.verify_cost, 1.0))
-        return SuffixDrafter()
-
-    def _request(self, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k) -> _Request:
-        """One request's settings, checked, and its output under construction."""
+    def request(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (), chat: bool = False,
+                k: int | str | None = None) -> Request:
+        """One request's settings, checked, and its output under construction (for a Batch)."""
         sampling = SamplingConfig(temperature, top_k, top_p)
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         stats = SpecStats()
-        return _Request(self.encode(prompt, chat), sampling, make_generator(seed), self.k if k is None else k,
-                        self._k_priors(), stats, _Output(self.tokenizer, stop, stats), seed)
+        return Request(self.encode(prompt, chat), sampling, make_generator(seed), self.k if k is None else k,
+                       self._k_priors(), stats, _Output(self.tokenizer, stop, stats), seed, max_new_tokens)
 
     @property
     def context_length(self) -> int:
@@ -210,15 +176,16 @@ class SpeculativeGenerator:
                  top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
                  chat: bool = False, k: int | str | None = None) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt (text or token ids). temperature 0 is greedy."""
-        output = None
+        output = _Output(None, (), None)
         for chunk in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k):
-            output = output or _Output(None, (), chunk.stats)
             output.collect(chunk)
+        output.stats = chunk.stats  # the last chunk carries them
         return output.result()
 
 
-@dataclass
-class _Request:
+@dataclass(eq=False)
+class Request:
+    """One generation request: its prompt, sampling settings, random stream, stats and output so far."""
     prompt_ids: torch.Tensor  # [1, n]
     sampling: SamplingConfig
     generator: torch.Generator
@@ -227,6 +194,7 @@ class _Request:
     stats: SpecStats
     output: _Output
     seed: int | None
+    max_new_tokens: int
 
     def k_policy(self, drafter):
         if getattr(drafter, "chooses_k", False):  # the drafter decides; k only caps it
@@ -239,6 +207,76 @@ class _Request:
         if self.prompt_ids.shape[1] >= runner.max_length:
             raise ValueError(f"the prompt has {self.prompt_ids.shape[1]} tokens; the target's context holds "
                              f"{runner.max_length}: shorten the prompt")
+
+
+class Batch:
+    """Requests decoded together: each step is one cycle of every unfinished request, their target passes fused
+    (engine.batch_cycle). Requests join with add() between steps while has_room(), and leave when they finish or
+    are dropped. What SpeculativeGenerator.generate_many and the server's scheduler run."""
+
+    def __init__(self, generator: SpeculativeGenerator, max_batch: int | None = None):
+        self.generator = generator
+        self.fused = hasattr(generator.target, "new_batch_runner")
+        self.max_batch = max_batch
+        self._slots = {} if max_batch is None else {"slots": max_batch}  # the batch context's size, when first made
+        self.active: list[tuple[Request, Decoding]] = []
+
+    def has_room(self) -> bool:
+        if self.max_batch is not None and len(self.active) >= self.max_batch:
+            return False
+        return not self.fused or self.generator.target.free_batch_slots > 0
+
+    def add(self, request: Request) -> Chunk | None:
+        """Start a request: a sequence slot, a drafter of its own, the prefill. -> its last chunk if that already ends
+        it (nothing to generate), else None. A request the model refuses (too long) raises ValueError."""
+        gen = self.generator
+        runner = (gen.target.new_batch_runner(gen.vocab_size, **self._slots) if self.fused
+                  else new_runner(gen.target, gen.vocab_size))
+        drafter = gen.drafter.fork()
+        try:
+            request.check_length(runner)
+            decoding = Decoding(runner, drafter, request.prompt_ids, k=request.k_policy(drafter),
+                                max_new_tokens=request.max_new_tokens, sampling=request.sampling,
+                                generator=request.generator, eos_ids=gen.eos_ids, stats=request.stats)
+        except BaseException:
+            _close(runner)
+            drafter.close()
+            raise
+        if decoding.done:
+            _end(decoding)
+            return request.output.collect(request.output.end())
+        self.active.append((request, decoding))
+        return None
+
+    def step(self) -> list[tuple[Request, Chunk]]:
+        """One cycle of every active request -> each one's chunk (finished requests leave the batch)."""
+        if not self.active:
+            return []
+        fused_width = self.generator.target.batch_width if self.fused else (K_MAX + 1) * len(self.active)
+        steps = batch_cycle([decoding for _, decoding in self.active], fused_width)
+        chunks, still = [], []
+        for (request, decoding), step in zip(self.active, steps):
+            chunk = request.output.collect(request.output.chunk(step))
+            chunks.append((request, chunk))
+            if chunk.finish_reason:  # a stop string may end it before the engine would
+                _end(decoding)
+            else:
+                still.append((request, decoding))
+        self.active = still
+        return chunks
+
+    def drop(self, request: Request) -> None:
+        """End a request early (its client left): its slot is free for the next."""
+        for entry in self.active:
+            if entry[0] is request:
+                self.active.remove(entry)
+                _end(entry[1])
+                return
+
+    def close(self) -> None:
+        for _, decoding in self.active:
+            _end(decoding)
+        self.active = []
 
 
 class _Output:
@@ -330,6 +368,12 @@ def _close(runner) -> None:
     close = getattr(runner, "close", None)  # a batch slot's runner gives its slot back
     if close is not None:
         close()
+
+
+def _end(decoding: Decoding) -> None:
+    """A batched request is over: its sequence slots (target, draft model) are free for the next."""
+    _close(decoding.target)
+    decoding.drafter.close()
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

@@ -3,10 +3,11 @@
 Endpoints: POST /v1/completions and POST /v1/chat/completions (`stream: true` answers with server-sent events),
 GET /v1/models, GET /health, GET /metrics (Prometheus text format).
 
-The model serves one request at a time: a generation keeps per-sequence state in the drafter and the KV caches, so
-one lock serialises generations. Their forward passes are blocking work, run in a worker thread one cycle per hop, so
-the event loop keeps answering (health, metrics, new requests) and a client that disconnects stops its generation at
-the next cycle. Requests waiting for the lock form a bounded queue: while max_queue are waiting, a new one gets 503.
+Requests are decoded in a batch (continuous batching): one thread runs the model, each cycle a step of every active
+request, their target passes fused (generator.Batch); a request joins between cycles while the batch has room
+(--max-batch) and leaves when it finishes or its client leaves, and what it generates does not depend on the others.
+The event loop keeps answering (health, metrics, new requests) meanwhile. Requests waiting for room form a bounded
+queue: while max_queue are waiting, a new one gets 503; a client that leaves while waiting leaves the queue.
 
 Responses carry OpenAI's fields plus `specdec`: the request's speculation stats (SpecStats.to_dict(): drafted and
 accepted tokens, acceptance rate, mean accepted length, ...). A stream carries them on its last chunk before
@@ -21,8 +22,10 @@ import logging
 import os
 import secrets
 import sys
+import threading
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, AsyncIterator, Callable, Iterator, Literal
 
@@ -36,11 +39,14 @@ from starlette.exceptions import HTTPException
 
 if TYPE_CHECKING:
     from specdec.generator import Chunk, SpeculativeGenerator
+    from specdec.generator import Request as GenerationRequest
     from specdec.metrics import SpecStats
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_QUEUE = 32  # requests that may wait for the model while it serves another; one more gets 503
+DEFAULT_MAX_BATCH = 8  # requests decoded together (their target passes fused); more wait in the queue
+DEFAULT_MAX_QUEUE = 32  # requests that may wait while the batch is full; one more gets 503
+DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context has left
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")  # metric labels
 
@@ -124,63 +130,153 @@ def _validation_error(error: RequestValidationError) -> APIError:
     return APIError(400, message, where[0] if where else None)
 
 
-# ---- the model's one slot and a request's turn on it
+# ---- the scheduler (continuous batching) and a request's turn
 
-class _ModelSlot:
-    """One generation at a time; at most max_queue more requests wait for it, beyond that 503 at once."""
+class _Ticket:
+    """A request in the scheduler, and the asyncio queue its chunks arrive on (filled from the model's thread)."""
 
-    def __init__(self, max_queue: int):
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
+        self.request, self.loop = request, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+
+    def push(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class _Scheduler:
+    """Continuous batching: one thread runs the model, each cycle a step of every active request (generator.Batch:
+    their target passes fused); requests join between cycles while the batch has room and leave when they finish or
+    their client leaves. Up to max_queue more wait; beyond that a request gets 503 at once."""
+
+    def __init__(self, generator: SpeculativeGenerator, max_batch: int, max_queue: int):
+        from specdec.generator import Batch
+
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.max_queue = max_queue
-        self.pending = 0  # requests generating or waiting to
-        self._lock = asyncio.Lock()
+        self.batch, self.max_batch, self.max_queue = Batch(generator, max_batch), max_batch, max_queue
+        self._waiting: deque[_Ticket] = deque()
+        self._active: dict[GenerationRequest, _Ticket] = {}
+        self._starting = 0  # requests taken from the queue whose prefill is running
+        self._changed = threading.Condition()
+        self._thread: threading.Thread | None = None
 
-    async def acquire(self) -> None:
-        if self.pending > self.max_queue:  # one generating and max_queue waiting
-            raise APIError(503, f"the server is busy: {self.pending - 1} requests are already waiting for the model; "
-                                "retry later", code="server_busy", kind="server_error", headers={"Retry-After": "1"})
-        self.pending += 1
+    @property
+    def pending(self) -> int:
+        """Requests generating or waiting to."""
+        return len(self._waiting) + self._starting + len(self._active)
+
+    @property
+    def occupancy(self) -> int:
+        """Requests in the batch now."""
+        return len(self._active)
+
+    def submit(self, request: GenerationRequest) -> _Ticket:
+        ticket = _Ticket(request, asyncio.get_running_loop())
+        with self._changed:
+            if len(self._waiting) >= self.max_queue and self.pending >= self.max_batch:
+                raise APIError(503, f"the server is busy: {len(self._waiting)} requests are already waiting for the "
+                                    "model; retry later", code="server_busy", kind="server_error",
+                               headers={"Retry-After": "1"})
+            self._waiting.append(ticket)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="specdec-model", daemon=True)
+                self._thread.start()
+            self._changed.notify()
+        return ticket
+
+    def cancel(self, ticket: _Ticket) -> None:
+        """The client left: a waiting request leaves the queue now, an active one the batch before the next cycle."""
+        with self._changed:
+            ticket.cancelled = True
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                while not self._waiting and not self._active:
+                    self._changed.wait()
+                for request, ticket in list(self._active.items()):
+                    if ticket.cancelled:
+                        self.batch.drop(request)
+                        del self._active[request]
+                joining = []
+                while self._waiting and len(self._active) + len(joining) < self.max_batch:
+                    joining.append(self._waiting.popleft())
+                self._starting = len(joining)
+            for ticket in joining:  # the prefill: outside the lock, so that requests keep arriving meanwhile
+                self._start(ticket)
+                with self._changed:
+                    self._starting -= 1
+            try:
+                chunks = self.batch.step()
+            except Exception as error:  # a failed pass: every request in it ends with the error
+                log.exception("a batched cycle failed")
+                for ticket in self._active.values():
+                    ticket.push(error)
+                self.batch.close()
+                self._active.clear()
+                continue
+            for request, chunk in chunks:
+                ticket = self._active[request]
+                ticket.push(chunk)
+                if chunk.finish_reason:
+                    del self._active[request]
+
+    def _start(self, ticket: _Ticket) -> None:
         try:
-            await self._lock.acquire()
-        except BaseException:
-            self.pending -= 1
-            raise
-
-    def release(self) -> None:
-        self.pending -= 1
-        self._lock.release()
+            last = self.batch.add(ticket.request)
+        except ValueError as error:  # the model refuses the request (prompt too long, ...)
+            ticket.push(APIError(400, str(error)))
+        except Exception as error:
+            log.exception("a request failed to start")
+            ticket.push(error)
+        else:
+            if last is not None:
+                ticket.push(last)
+            else:
+                self._active[ticket.request] = ticket
 
 
 class _Turn:
-    """A request's turn on the model: each next() runs one cycle in a worker thread. A cancelled await still waits for
-    that thread (anyio shields it), so the model is never left mid-cycle. close() ends the generation and frees the
-    model; it is safe to call more than once."""
+    """A request's place in the scheduler, read chunk by chunk. close() ends it (the scheduler drops it before its next
+    cycle) and is safe to call more than once or after the last chunk."""
 
-    def __init__(self, chunks: Iterator[Chunk], release: Callable[[], None], on_first: Callable[[], None],
+    def __init__(self, scheduler: _Scheduler, ticket: _Ticket, on_first: Callable[[], None],
                  on_last: Callable[[SpecStats], None]):
-        self._chunks, self._release, self._on_first, self._on_last = chunks, release, on_first, on_last
-        self._started = False
+        self._scheduler, self._ticket, self._on_first, self._on_last = scheduler, ticket, on_first, on_last
+        self._started = self._finished = False
 
-    async def next(self) -> Chunk | None:
-        try:
-            chunk = await run_in_threadpool(next, self._chunks, None)
-        except ValueError as error:  # the generator refuses the request: prompt too long, token ids out of range, ...
-            raise APIError(400, str(error)) from error
+    async def next(self, request: Request | None = None) -> Chunk | None:
+        """The next chunk; None after the last one, or when the client of `request` left while it waited."""
+        if self._finished:
+            return None
+        while True:
+            try:
+                item = await asyncio.wait_for(self._ticket.queue.get(), DISCONNECT_POLL_S if request else None)
+                break
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.close()
+                    return None
+        if isinstance(item, Exception):
+            self._finished = True
+            raise item
         if not self._started:
             self._started = True
             self._on_first()
-        if chunk is not None and chunk.stats is not None:
-            self._on_last(chunk.stats)
-        return chunk
+        if item.finish_reason:
+            self._finished = True
+            self._on_last(item.stats)
+        return item
 
     def close(self) -> None:
-        release, self._release = self._release, None
-        if release is not None:
-            try:
-                self._chunks.close()
-            finally:
-                release()
+        if not self._finished:
+            self._finished = True
+            self._scheduler.cancel(self._ticket)
 
 
 class _TurnStream(StreamingResponse):
@@ -277,7 +373,7 @@ async def _events(turn: _Turn, first: Chunk, reply: _Reply, include_usage: bool)
 class _Metrics:
     """Prometheus metrics of one app, in its own registry (several apps may live in one process, as in the tests)."""
 
-    def __init__(self, queue_depth: Callable[[], int]):
+    def __init__(self, queue_depth: Callable[[], int], occupancy: Callable[[], int]):
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=registry)
@@ -299,6 +395,11 @@ class _Metrics:
               registry=registry).set_function(lambda: self._totals[1] / self._totals[0] if self._totals[0] else 0.0)
         Gauge("specdec_queue_depth", "Requests generating or waiting for the model",
               registry=registry).set_function(queue_depth)
+        Gauge("specdec_batch_occupancy", "Requests in the batch being decoded now",
+              registry=registry).set_function(occupancy)
+        self.request_acceptance = Histogram("specdec_request_acceptance_rate",
+                                            "Per request: accepted / drafted tokens (requests that drafted)",
+                                            registry=registry, buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1))
 
     def observe_generation(self, prompt_tokens: int, stats: SpecStats) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -308,6 +409,8 @@ class _Metrics:
         self.cycles.inc(stats.cycles)
         self._totals[0] += stats.drafted_tokens
         self._totals[1] += stats.accepted_tokens
+        if stats.drafted_tokens:
+            self.request_acceptance.observe(stats.accepted_tokens / stats.drafted_tokens)
 
 
 class _Observe:
@@ -354,13 +457,13 @@ class _Authenticate:
 # ---- the app
 
 class _Service:
-    """What the routes share: the generator, its one slot, the metrics."""
+    """What the routes share: the generator, the scheduler, the metrics."""
 
-    def __init__(self, generator: SpeculativeGenerator, model_name: str, max_queue: int):
+    def __init__(self, generator: SpeculativeGenerator, model_name: str, max_batch: int, max_queue: int):
         self.generator, self.model_name = generator, model_name
         self.context = generator.context_length
-        self.slot = _ModelSlot(max_queue)
-        self.metrics = _Metrics(lambda: self.slot.pending)
+        self.scheduler = _Scheduler(generator, max_batch, max_queue)
+        self.metrics = _Metrics(lambda: self.scheduler.pending, lambda: self.scheduler.occupancy)
         self.created = int(time.time())
 
     def model_card(self) -> dict:
@@ -391,42 +494,40 @@ class _Service:
                       started: float) -> Response:
         endpoint = request.url.path
         reply = _Reply(chat, self.model_name, len(prompt_ids))
-        await self.slot.acquire()
         try:
-            client_left = await request.is_disconnected()  # while it waited: generate nothing for nobody
-        except BaseException:
-            self.slot.release()
-            raise
-        if client_left:
-            self.slot.release()
-            return Response(status_code=499)
-        turn = _Turn(self.generator.stream(prompt_ids, **settings), self.slot.release,
+            generation = self.generator.request(prompt_ids, **settings)
+        except ValueError as error:
+            raise APIError(400, str(error)) from error
+        turn = _Turn(self.scheduler, self.scheduler.submit(generation),
                      on_first=lambda: self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started),
                      on_last=lambda stats: self.metrics.observe_generation(len(prompt_ids), stats))
+        try:
+            first = await turn.next(request)  # waits in the queue; a bad request is refused here, while a 400 can be sent
+        except BaseException:
+            turn.close()
+            raise
+        if first is None:  # the client left while the request waited
+            return Response(status_code=499)
         if body.stream:
-            try:
-                first = await turn.next()  # the generator refuses a bad request here, while a 400 can still be sent
-            except BaseException:
-                turn.close()
-                raise
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _TurnStream(_events(turn, first, reply, include_usage), turn)
-        texts = []
+        texts, last = [first.text], first
         try:
-            while (chunk := await turn.next()) is not None:
+            while last.finish_reason is None:
+                chunk = await turn.next(request)
+                if chunk is None or (chunk.finish_reason is None and await request.is_disconnected()):
+                    return Response(status_code=499)  # the client left: the scheduler drops it before its next cycle
                 texts.append(chunk.text)
                 last = chunk
-                if chunk.finish_reason is None and await request.is_disconnected():
-                    return Response(status_code=499)
         finally:
             turn.close()
         return JSONResponse(reply.whole("".join(texts), last))
 
 
 def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | None = None,
-               max_queue: int = DEFAULT_MAX_QUEUE) -> FastAPI:
+               max_queue: int = DEFAULT_MAX_QUEUE, max_batch: int = DEFAULT_MAX_BATCH) -> FastAPI:
     """An OpenAI-compatible app serving `generator` under `model_name` (the `model` clients must send)."""
-    service = _Service(generator, model_name, max_queue)
+    service = _Service(generator, model_name, max_batch, max_queue)
     app = FastAPI(title="specdec", summary="Exact speculative decoding behind an OpenAI-compatible API")
     app.state.service = service
     if api_key:
@@ -494,7 +595,8 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "model": model_name, "pending": service.slot.pending}
+        return {"status": "ok", "model": model_name, "pending": service.scheduler.pending,
+                "batch": service.scheduler.occupancy}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -516,8 +618,11 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                         help="require `Authorization: Bearer KEY` on every route but /health "
                              "(default: $SPECDEC_API_KEY, else no key)")
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                        help="requests decoded together, their target passes fused; 1 serves one at a time with "
+                             "the full drafter, a draft model included (default: %(default)s)")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                        help="requests that may wait for the model; more get 503 (default: %(default)s)")
+                        help="requests that may wait while the batch is full; more get 503 (default: %(default)s)")
     parser.add_argument("--model-name", default=None,
                         help="the `model` clients send (default: the --target value)")
     parser.set_defaults(func=run_serve)
@@ -530,8 +635,10 @@ def run_serve(args) -> int:
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     generator = generator_from_args(args)  # loaded once, shared by every request
-    app = create_app(generator, args.model_name or args.target, args.api_key, args.max_queue)
+    app = create_app(generator, args.model_name or args.target, args.api_key, args.max_queue, args.max_batch)
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)

@@ -337,7 +337,7 @@ def test_generate_many_seeded_sample_does_not_depend_on_the_rest_of_the_batch(ge
     settings = dict(max_new_tokens=20, temperature=1.0, top_p=0.9)
     together = gen.generate_many(MANY, seed=5, **settings)
     for i, prompt in enumerate(MANY):
-        alone = gen.generate_many([prompt], seed=5 + i, **settings)[0]
+        alone = gen.generate(prompt, seed=5 + i, **settings)
         assert together[i].token_ids == alone.token_ids
     assert len({tuple(out.token_ids) for out in together}) > 1
 

@@ -182,7 +182,7 @@ def test_models_and_health(client, url):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
-    assert httpx.get(f"{url}/health").json() == {"status": "ok", "model": MODEL, "pending": 0}
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "model": MODEL, "pending": 0, "batch": 0}
 
 
 # ---- bad input: a 4xx in OpenAI's error shape, never a 500 or a hang
@@ -284,7 +284,7 @@ def test_full_queue_gets_503_then_recovers(generator):
     def blocked(*args):  # returns None: the forward pass's output is kept
         gate.wait(20)
 
-    with serve(create_app(generator, MODEL, max_queue=1)) as base, forward_hook(generator.target, blocked), \
+    with serve(create_app(generator, MODEL, max_queue=1, max_batch=1)) as base, forward_hook(generator.target, blocked), \
             ThreadPoolExecutor(2) as pool:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
         ask = lambda: client.completions.create(model=MODEL, prompt="ab", max_tokens=4, temperature=0).choices[0].text
@@ -397,4 +397,4 @@ def test_serve_command_builds_one_generator_and_binds_loopback(monkeypatch, gene
     assert built == [("some/model", None)]
     assert (ran["host"], ran["port"]) == ("127.0.0.1", 8000)
     service = ran["app"].state.service
-    assert (service.model_name, service.slot.max_queue) == ("some/model", 3)
+    assert (service.model_name, service.scheduler.max_queue) == ("some/model", 3)

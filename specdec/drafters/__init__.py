@@ -52,7 +52,9 @@ def model_drafter(draft_model, target: TargetInfo, draft_tokenizer=None) -> Mode
     """A draft model behind the drafter protocol, checked against the target's vocabulary and rollback support."""
     check_rollback_supported(draft_model)
     vocab_size = shared_vocab_size(target.model, target.tokenizer, draft_model, draft_tokenizer)
-    return ModelDrafter(lambda: new_runner(draft_model, vocab_size))
+    batch_runner = getattr(draft_model, "new_batch_runner", None)
+    return ModelDrafter(lambda: new_runner(draft_model, vocab_size),
+                        (lambda: batch_runner(vocab_size)) if batch_runner is not None else None)
 
 
 def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Drafter, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,15 @@ class Drafter:
 
     def accept(self, n_drafted: int, n_accepted: int) -> None:
         """The target accepted the first n_accepted of the n_drafted tokens of the last proposal."""
+
+    def fork(self) -> Drafter:
+        """A drafter like this one for another request decoded alongside it (a batch): the same settings and shared
+        models, per-request state of its own, so that it proposes what this one would for that request alone. The
+        default, a shallow copy, suits drafters whose per-request state is set anew by begin()."""
+        return copy.copy(self)
+
+    def close(self) -> None:
+        """The request ended: free what its state holds (a draft model's sequence slot)."""
 
 
 class NoDrafter(Drafter):

@@ -89,6 +89,16 @@ class ChoosingDrafter(Drafter):
                            None, "none": "none"}[choice]
         return proposal
 
+    def fork(self) -> ChoosingDrafter:
+        model = self.model_drafter.fork() if self.model_drafter is not None else None
+        acceptance, weight, decay = self.prior
+        return ChoosingDrafter(self.lookup.fork(), model, self.costs, acceptance, weight, decay)
+
+    def close(self) -> None:
+        self.lookup.close()
+        if self.model_drafter is not None:
+            self.model_drafter.close()
+
     def accept(self, n_drafted: int, n_accepted: int) -> None:
         if self.chosen is None:
             return

@@ -23,6 +23,13 @@ class HybridDrafter(Drafter):
         self.fallback = fallback
         self.last: Drafter | None = None  # the drafter whose proposal the target is verifying
 
+    def fork(self) -> HybridDrafter:
+        return HybridDrafter(self.lookup.fork(), self.fallback.fork())
+
+    def close(self) -> None:
+        self.lookup.close()
+        self.fallback.close()
+
     def begin(self, prompt_ids) -> None:
         self.lookup.begin(prompt_ids)
         self.fallback.begin(prompt_ids)

@@ -23,14 +23,26 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, make_runner: Callable[[], Runner]):
+    def __init__(self, make_runner: Callable[[], Runner], make_fork_runner: Callable[[], Runner] | None = None):
+        """make_fork_runner: runners for fork()s, which decode beside this drafter (a llama.cpp model's batch slots,
+        where make_runner would take over the model's one context); default make_runner."""
         self.make_runner = make_runner
+        self.make_fork_runner = make_fork_runner or make_runner
         self.runner: Runner | None = None
         self.cached_ids = torch.zeros(1, 0, dtype=torch.long)  # the tokens whose keys/values the runner holds
 
     def begin(self, prompt_ids: torch.Tensor) -> None:
+        self.close()
         self.runner = self.make_runner()
         self.cached_ids = prompt_ids[:, :0]
+
+    def fork(self) -> ModelDrafter:
+        return ModelDrafter(self.make_fork_runner, self.make_fork_runner)
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
         if k == 0:

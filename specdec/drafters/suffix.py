@@ -92,6 +92,10 @@ class SuffixDrafter(Drafter):
         self.last_match = 0  # matched suffix length of the last proposal (for a chooser, and the curious)
         self.last_probabilities: list[float] = []
 
+    def fork(self) -> SuffixDrafter:
+        """The same settings, an empty history: requests decoded side by side do not see each other's text."""
+        return SuffixDrafter(self.max_match, self.min_probability, self.max_history_tokens)
+
     def begin(self, prompt_ids: torch.Tensor) -> None:
         if self._last_context is not None:
             self._remember(self._last_context)
