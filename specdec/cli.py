@@ -133,6 +133,7 @@ COMMANDS = {
     "models": registry.add_models_parser,
     "serve": server.add_serve_parser,
     "bench": bench.add_bench_parser,
+    "load": bench.add_load_parser,
 }
 
 

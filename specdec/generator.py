@@ -17,6 +17,9 @@ from specdec.runners import check_rollback_supported, context_length, new_runner
 from specdec.sampling import SamplingConfig, make_generator
 
 
+DEFAULT_MAX_BATCH = 8  # requests generate_many decodes together (on llama.cpp: sequence slots of the target)
+
+
 @dataclass
 class Chunk:
     """What one cycle adds to the output, as soon as it is committed."""
@@ -218,13 +221,17 @@ class Batch:
         self.generator = generator
         self.fused = hasattr(generator.target, "new_batch_runner")
         self.max_batch = max_batch
-        self._slots = {} if max_batch is None else {"slots": max_batch}  # the batch context's size, when first made
+        self._slots = {"slots": DEFAULT_MAX_BATCH if max_batch is None else max_batch}  # the batch context's size
         self.active: list[tuple[Request, Decoding]] = []
 
     def has_room(self) -> bool:
-        if self.max_batch is not None and len(self.active) >= self.max_batch:
-            return False
-        return not self.fused or self.generator.target.free_batch_slots > 0
+        return self.room() > 0
+
+    def room(self) -> int:
+        """Requests that add() can start now."""
+        limit = DEFAULT_MAX_BATCH if self.max_batch is None else self.max_batch
+        room = limit - len(self.active)
+        return min(room, self.generator.target.free_batch_slots(limit)) if self.fused else room
 
     def add(self, request: Request) -> Chunk | None:
         """Start a request: a sequence slot, a drafter of its own, the prefill. -> its last chunk if that already ends

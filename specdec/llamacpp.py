@@ -211,17 +211,21 @@ class LlamaCppModel:
 
     def new_batch_runner(self, vocab_size: int, slots: int = DEFAULT_BATCH_SLOTS,
                          slot_tokens: int = DEFAULT_SLOT_TOKENS) -> LlamaCppRunner:
-        """A sequence in a free slot of the model's batch context (created on first use with `slots` sequences of up
-        to `slot_tokens` tokens each): such runners can share passes (forward_many). Its slot is freed when the
-        runner is closed or collected."""
+        """A sequence in a free slot of the model's batch context (made with `slots` sequences of up to `slot_tokens`
+        tokens each; made again, bigger, when more slots are asked for while none is in use): such runners can share
+        passes (forward_many). Its slot is freed when the runner is closed or collected."""
+        if self._slots is not None and self._slots.total < slots and self._slots.idle:
+            self._slots.context.free()
+            self._slots = None
         if self._slots is None:
             self._slots = _Slots(_Context(self, min(slot_tokens, self.max_length), n_seq=slots))
         return LlamaCppRunner(self, vocab_size, slots=self._slots)
 
-    @property
-    def free_batch_slots(self) -> int:
-        """Sequences that new_batch_runner can still start now."""
-        return DEFAULT_BATCH_SLOTS if self._slots is None else len(self._slots.free)
+    def free_batch_slots(self, slots: int = DEFAULT_BATCH_SLOTS) -> int:
+        """Sequences that new_batch_runner(..., slots) can still start now."""
+        if self._slots is None or (self._slots.idle and self._slots.total < slots):
+            return slots
+        return len(self._slots.free)
 
     def forward_many(self, items: list[tuple[LlamaCppRunner, torch.Tensor]]) -> list[torch.Tensor]:
         """Several sequences' new tokens in one llama.cpp pass -> each one's logits [1, n, vocab], as its runner's
@@ -294,7 +298,7 @@ class LlamaCppModel:
         return f"LlamaCppModel({str(self.path)!r}, threads={self.threads})"
 
 
-CALIBRATION_WIDTHS = range(2, 9)  # verify widths checked: up to 7 draft tokens
+CALIBRATION_WIDTHS = range(2, 17)  # pass widths checked: up to 15 draft tokens, or 16 batched sequences
 # Cached tokens before the checked passes: short; past the 512 cells where ggml's attention changes strategy for f16
 # caches; and a long context (prompts of a few pages). Beyond the longest, the engine verifies one token at a time.
 CALIBRATION_CONTEXTS = (16, 600, 4096)
@@ -494,11 +498,16 @@ class _Slots:
 
     def __init__(self, context: _Context):
         self.context = context
-        self.free = list(range(context.lib.llama_n_seq_max(context.ctx)))[::-1]
+        self.total = context.lib.llama_n_seq_max(context.ctx)
+        self.free = list(range(self.total))[::-1]
+
+    @property
+    def idle(self) -> bool:
+        return len(self.free) == self.total
 
     def take(self) -> int:
         if not self.free:
-            raise RuntimeError(f"all {self.context.lib.llama_n_seq_max(self.context.ctx)} batch slots are in use: "
+            raise RuntimeError(f"all {self.total} batch slots are in use: "
                                "close a runner first (or ask for more slots)")
         return self.free.pop()
 

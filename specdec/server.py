@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BATCH = 8  # requests decoded together (their target passes fused); more wait in the queue
 DEFAULT_MAX_QUEUE = 32  # requests that may wait while the batch is full; one more gets 503
 DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
+MAX_BODY_BYTES = 4 * 2**20  # a request body beyond this gets 413 before it is read: far more than any context holds
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context has left
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")  # metric labels
 
@@ -68,7 +69,7 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     model: str
     max_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0)  # None -> 1.0, OpenAI's default; 0 is greedy
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's range; None -> 1.0, OpenAI's default; 0 is greedy
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)  # not OpenAI's; accepted as vLLM does
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
@@ -203,9 +204,7 @@ class _Scheduler:
                     if ticket.cancelled:
                         self.batch.drop(request)
                         del self._active[request]
-                joining = []
-                while self._waiting and len(self._active) + len(joining) < self.max_batch:
-                    joining.append(self._waiting.popleft())
+                joining = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.batch.room()))]
                 self._starting = len(joining)
             for ticket in joining:  # the prefill: outside the lock, so that requests keep arriving meanwhile
                 self._start(ticket)
@@ -277,6 +276,8 @@ class _Turn:
         if not self._finished:
             self._finished = True
             self._scheduler.cancel(self._ticket)
+            if self._started:  # an aborted generation's tokens count too
+                self._on_last(self._ticket.request.stats)
 
 
 class _TurnStream(StreamingResponse):
@@ -438,6 +439,48 @@ class _Observe:
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
 
 
+class _LimitBody:
+    """ASGI middleware: a request body larger than max_bytes gets 413, by its Content-Length before anything is read,
+    or as soon as a chunked body grows past it; the app never parses or tokenizes such a body."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                return await self._refuse(send)
+            return await self.app(scope, receive, send)
+        # No Content-Length (a chunked body): read it here, up to the limit, then hand it on whole.
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(send)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: a disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        await APIError(413, f"the request body exceeds {self.max_bytes} bytes", code="request_too_large").response()(
+            {"type": "http"}, None, send)
+
+
 class _Authenticate:
     """ASGI middleware: every route but /health requires `Authorization: Bearer <api key>`."""
 
@@ -532,7 +575,8 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
     app.state.service = service
     if api_key:
         app.add_middleware(_Authenticate, api_key=api_key)
-    app.add_middleware(_Observe, metrics=service.metrics)  # added last: outermost, so it counts 401s too
+    app.add_middleware(_LimitBody, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(_Observe, metrics=service.metrics)  # added last: outermost, so it counts 401s and 413s too
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> Response:
@@ -554,10 +598,10 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
     async def completions(body: CompletionBody, request: Request) -> Response:
         started = time.perf_counter()
         service.check(body)
-        try:
-            prompt_ids = generator.encode(body.prompt)[0].tolist()  # special tokens added, as `generate` does
-        except ValueError as error:
-            raise APIError(400, str(error), "prompt") from error
+        try:  # tokenizing is blocking work: a worker thread, so that the event loop keeps answering
+            prompt_ids = (await run_in_threadpool(generator.encode, body.prompt))[0].tolist()  # as `generate` does
+        except (ValueError, TypeError, UnicodeError) as error:  # TypeError: text the tokenizer cannot take
+            raise APIError(400, f"the prompt cannot be tokenized: {error}", "prompt") from error
         max_tokens = COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         settings = service.settings(body, len(prompt_ids), max_tokens, "prompt")
         return await service.respond(request, body, prompt_ids, settings, chat=False, started=started)
@@ -576,7 +620,10 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
                                                  add_generation_prompt=True)
         except (TemplateError, ValueError) as error:  # e.g. the template refuses a role or the order of messages
             raise APIError(400, f"the chat template refused the messages: {error}", "messages") from error
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template wrote the special tokens
+        try:  # the template wrote the special tokens; tokenizing in a worker thread keeps the event loop free
+            prompt_ids = (await run_in_threadpool(tokenizer, text, add_special_tokens=False))["input_ids"]
+        except (ValueError, TypeError, UnicodeError) as error:
+            raise APIError(400, f"the messages cannot be tokenized: {error}", "messages") from error
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = max(service.context - len(prompt_ids), 0) if requested is None else requested
         settings = service.settings(body, len(prompt_ids), max_tokens, "messages")

@@ -120,7 +120,7 @@ def test_logits_of_a_run_equal_one_token_at_a_time_up_to_the_calibrated_width(mo
     strategy for f16 caches)."""
     target, tokenizer = model
     widest = target.verify_width(context)
-    assert 3 <= widest <= 8  # measured 8 for SmolLM2-135M Q4_1 on the 2-core AVX2 CPU
+    assert 3 <= widest <= 16  # measured 8 (of 8 checked) for SmolLM2-135M Q4_1 on the 2-core AVX2 CPU
     differences = passes_equal_one_token_passes(target, tokenizer, long_text_ids(tokenizer, context + widest), widest)
     assert all(d == 0 for d in differences.values()), differences
 
@@ -437,13 +437,14 @@ def test_repacked_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(g
 # --- several sequences in one pass (generate_many) -------------------------------------------------------------------
 
 def test_a_fused_pass_gives_each_sequence_its_own_logits(model):
-    """The batch calibration on this file: fused passes of up to 8 tokens over several sequences (one token each, and
+    """The batch calibration on this file: fused passes of up to 16 tokens over several sequences (one token each, and
     ragged) reproduce each sequence's one-token passes bit for bit."""
     from specdec import llamacpp
 
     target, _ = model
-    assert llamacpp.measure_batch_width(target) == {"batch_width": 8}
-    assert target.batch_width == 8
+    widest = max(llamacpp.CALIBRATION_WIDTHS)
+    assert llamacpp.measure_batch_width(target) == {"batch_width": widest}
+    assert target.batch_width == widest
 
 
 def test_generate_many_equals_generate_for_every_prompt_and_frees_its_slots(model, baseline):
@@ -460,7 +461,7 @@ def test_generate_many_equals_generate_for_every_prompt_and_frees_its_slots(mode
             alone = baseline.generate(prompt, **settings)
             assert (out.token_ids, out.finish_reason) == (alone.token_ids, alone.finish_reason), prompt
     assert {out.finish_reason for out in together} == {"stop", "length"}
-    assert target.free_batch_slots == llamacpp.DEFAULT_BATCH_SLOTS
+    assert target.free_batch_slots() == llamacpp.DEFAULT_BATCH_SLOTS
 
 
 def test_batch_runners_refuse_what_they_cannot_do(model):

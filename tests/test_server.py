@@ -233,6 +233,12 @@ BAD_REQUESTS = [
     ("too many stop strings", "/v1/completions", {"model": MODEL, "prompt": "ab", "stop": list("abcde")}, 400,
      "stop"),
     ("seed out of range", "/v1/completions", {"model": MODEL, "prompt": "ab", "seed": 2**70}, 400, "seed"),
+    ("temperature above OpenAI's 2", "/v1/completions", {"model": MODEL, "prompt": "ab", "temperature": 2.5}, 400,
+     "temperature"),
+    ("lone surrogate in the prompt", "/v1/completions", '{"model": "tiny-qwen2", "prompt": "a\\ud800b"}', 400,
+     "prompt"),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     '{"model": "tiny-qwen2", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, "messages"),
 ]
 
 
@@ -250,6 +256,22 @@ def test_bad_input_gets_a_4xx_in_openai_shape(url, path, body, status, param):
     if param == "n":
         assert "n must be 1" in error["message"]
     assert pending(url) == 0
+
+
+def test_a_huge_body_is_refused_before_it_is_read_and_the_server_keeps_answering(url):
+    from specdec.server import MAX_BODY_BYTES
+
+    huge = json.dumps({"model": MODEL, "prompt": "a" * (MAX_BODY_BYTES + 1)})
+    started = time.monotonic()
+    response = httpx.post(f"{url}/v1/completions", content=huge, headers={"Content-Type": "application/json"},
+                          timeout=30)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    assert time.monotonic() - started < 5
+    chunked = httpx.post(f"{url}/v1/completions", content=iter([huge.encode()[i:i + 2**20]
+                                                                for i in range(0, len(huge), 2**20)]),
+                         headers={"Content-Type": "application/json"}, timeout=30)  # no Content-Length
+    assert chunked.status_code == 413
+    assert httpx.get(f"{url}/health").json()["status"] == "ok" and pending(url) == 0
 
 
 def test_unknown_route_and_method_in_openai_shape(url):
@@ -311,6 +333,7 @@ def test_client_disconnecting_mid_generation_frees_the_model(url, client, genera
         calls.append(1)
         time.sleep(0.05)
 
+    tokens_before = metric(scrape(url), "specdec_completion_tokens_total")
     with forward_hook(generator.target, slow):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": budget, "temperature": 0, "stream": stream}
         if stream:  # read the first event, then hang up
@@ -321,6 +344,8 @@ def test_client_disconnecting_mid_generation_frees_the_model(url, client, genera
                 httpx.post(f"{url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
         # The connection is closed: the server stops at the next cycle and frees the model.
         wait_for(lambda: pending(url) == 0, timeout=5)
+        if stream:  # the tokens it generated before the client left are counted
+            wait_for(lambda: metric(scrape(url), "specdec_completion_tokens_total") > tokens_before, timeout=5)
         assert len(calls) < full.stats.target_calls / 2
         started = time.monotonic()
         out = client.completions.create(model=MODEL, prompt="xy", max_tokens=3, temperature=0)
@@ -360,7 +385,9 @@ def test_metrics_parse_and_move(url, client):
         assert metric(after, name, **labels) == metric(before, name, **labels) + 1, name
     assert 0 < metric(after, "specdec_acceptance_rate") <= 1
     assert metric(after, "specdec_verify_cycles_total") > metric(before, "specdec_verify_cycles_total")
-    assert metric(after, "specdec_queue_depth") == 0
+    assert metric(after, "specdec_queue_depth") == 0 and metric(after, "specdec_batch_occupancy") == 0
+    assert (metric(after, "specdec_request_acceptance_rate_count")
+            == metric(before, "specdec_request_acceptance_rate_count") + (stats["drafted_tokens"] > 0))
 
 
 def test_api_key_is_enforced_except_on_health(generator):

@@ -6,8 +6,10 @@ costs.py      measured draft/verify costs and the speed-up they predict (Leviath
 runner.py     presets, the interleaved schedule, results saved after every prompt
 report.py     summary figures, Markdown and PNG plots, from the JSON alone
 command.py    the subcommand
+load.py       `specdec load`: concurrent clients against the server, one request at a time vs batched
 """
 
 from specdec.bench.command import add_bench_parser
+from specdec.bench.load import add_load_parser
 
-__all__ = ["add_bench_parser"]
+__all__ = ["add_bench_parser", "add_load_parser"]
