@@ -5,7 +5,7 @@
 #   native/build-llama-cpp-wheel.sh PYTHON VERSION OUT
 #
 # The patch (llama.cpp-verify-columns.patch, next to this script) adds multi-column K-quant dot products: a pass over
-# 2-8 tokens unpacks each weight block once for all of them, and each token's results are bit-identical to a
+# 2-16 tokens unpacks each weight block once for up to 8 of them, and each token's results are bit-identical to a
 # one-token pass, so a speculative verify pass is both cheaper and exact.
 set -euo pipefail
 

@@ -130,7 +130,7 @@ class LlamaCppModel:
         # took 30.5 instead of 40.3 ms on an AVX-512 EPYC but 64 instead of 56 ms on an AVX2 one, and llama.cpp's own
         # loop crashed with them on an AMX Xeon. So "auto" measures, per CPU, and keeps the faster. (Without
         # specdec's kernel patch, native/, their multi-token kernels round differently from 4 tokens up; with it,
-        # passes of up to 8 tokens reproduce one-token passes in either layout. The calibration checks, whichever.)
+        # passes of up to 16 tokens reproduce one-token passes in either layout. The calibration checks, whichever.)
         self.repack = choose_repack(self.path, self.threads) if repack == "auto" else repack
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -171,8 +171,10 @@ class LlamaCppModel:
         return self._exact_widths
 
     def prepare_as_target(self) -> None:
-        """Calibrate what a target needs (its exact verify widths) now, not inside the first generation's timing."""
+        """Calibrate what a target needs (its exact verify and batch widths) now, not inside the first generation's
+        or request's timing."""
         self.exact_widths
+        self.batch_width
 
     def verify_width(self, length: int) -> int:
         """The widest pass the engine may verify after `length` cached tokens (>= 1).
