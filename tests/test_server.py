@@ -425,3 +425,23 @@ def test_serve_command_builds_one_generator_and_binds_loopback(monkeypatch, gene
     assert (ran["host"], ran["port"]) == ("127.0.0.1", 8000)
     service = ran["app"].state.service
     assert (service.model_name, service.scheduler.max_queue) == ("some/model", 3)
+
+
+# ---- the load generator (specdec load)
+
+
+def test_load_generator_drives_both_servers_and_checks_every_answer(generator, tmp_path):
+    from specdec.bench import load
+
+    results = load.run_load(generator, ["ab", "def f(x):", "hello", "xyz xyz"], clients=[1, 2], requests=2,
+                            max_tokens=8, max_batch=4)
+    rows = results["rows"]
+    assert [(r["server"], r["clients"]) for r in rows] == [("one at a time", 1), ("batched (max 4)", 1),
+                                                           ("one at a time", 2), ("batched (max 4)", 2)]
+    assert all(r["identical"] == r["requests"] == 2 * r["clients"] and r["tokens"] > 0 for r in rows)
+    text = load.report(results)
+    assert "| 2 | batched (max 4) |" in text and "identical to generate" in text
+    load.plot(results, tmp_path / "throughput.png")
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="--clients"):
+        load._counts("1,x")
