@@ -216,7 +216,10 @@ def plot(results: dict, path: Path) -> None:
     for server in dict.fromkeys(r["server"] for r in results["rows"]):
         points = [(r["clients"], r["tokens_per_s"]) for r in results["rows"] if r["server"] == server]
         axes.plot(*zip(*points), marker="o", label=server)
+    counts = sorted({r["clients"] for r in results["rows"]})
     axes.set_xscale("log", base=2)
+    axes.set_xticks(counts, [str(n) for n in counts])
+    axes.set_ylim(bottom=0)
     axes.set_xlabel("concurrent clients")
     axes.set_ylabel("tokens/s, all clients")
     axes.set_title("specdec serve: throughput")
