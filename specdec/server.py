@@ -37,6 +37,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from specdec.options import add_generation_args, generator_from_args
+
 if TYPE_CHECKING:
     from specdec.generator import Chunk, SpeculativeGenerator
     from specdec.generator import Request as GenerationRequest
@@ -655,7 +657,6 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
 # ---- `specdec serve`
 
 def add_serve_parser(subparsers) -> None:
-    from specdec.cli import add_generation_args  # here, not at the top: cli imports this module
 
     parser = subparsers.add_parser("serve", help="serve the models over an OpenAI-compatible HTTP API")
     add_generation_args(parser)
@@ -678,7 +679,6 @@ def add_serve_parser(subparsers) -> None:
 def run_serve(args) -> int:
     import uvicorn
 
-    from specdec.cli import generator_from_args
 
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")

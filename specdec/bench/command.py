@@ -12,11 +12,12 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from specdec.options import add_generation_args, generator_from_args
+
 DEFAULT_OUT = "bench-results"
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
-    from specdec.cli import add_generation_args  # here: specdec.cli imports this module
     from specdec.bench.runner import ALL_METHODS, PRESETS
 
     parser = subparsers.add_parser(
@@ -171,7 +172,6 @@ def _prepare(args, preset, candidates, results: dict):
     from specdec.bench.costs import VERIFY_WIDTHS, measure_costs
     from specdec.bench.methods import build_methods
     from specdec.bench.runner import SAMPLING_TEMPERATURE, Schedule, peak_rss_mb, warm_up
-    from specdec.cli import generator_from_args
 
     print(f"loading {args.target} and {args.draft} ...", file=sys.stderr)
     gen = generator_from_args(args)

@@ -18,12 +18,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from specdec.options import add_generation_args, generator_from_args
+
 DEFAULT_CLIENTS = "1,2,4,8,16"
 MODEL_NAME = "specdec-load"
 
 
 def add_load_parser(subparsers) -> argparse.ArgumentParser:
-    from specdec.cli import add_generation_args  # here: specdec.cli imports the bench package
 
     parser = subparsers.add_parser(
         "load", help="load-test the server: concurrent clients, one request at a time vs batched",
@@ -43,7 +44,6 @@ def add_load_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_load_command(args) -> int:
-    from specdec.cli import generator_from_args
 
     clients = _counts(args.clients)
     if args.requests < 1 or args.max_tokens < 1 or args.max_batch < 2:

@@ -1,0 +1,49 @@
+"""The flags that choose models and decoding, shared by every front end that generates (specdec generate, serve,
+bench, load), and the generator they describe. The front ends import this module, never each other."""
+
+from __future__ import annotations
+
+import argparse
+
+from specdec import registry
+from specdec.models import RUNTIMES, pick_runtime
+
+
+def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    """Model and sampling flags shared by the commands that generate (generate, serve, bench)."""
+    parser.add_argument("--target", default=registry.DEFAULT_TARGET,
+                        help="registry name, transformers directory or .gguf file (default: %(default)s)")
+    parser.add_argument("--draft", default=registry.DEFAULT_DRAFT,
+                        help="draft model (like --target), a drafter name, or 'none' for target-only decoding "
+                             "(default: %(default)s)")
+    parser.add_argument("--runtime", choices=["auto", *RUNTIMES], default="auto",
+                        help="llama.cpp: GGUF weights on llama.cpp's CPU kernels; torch: transformers; auto "
+                             "(default): llama.cpp for registry models and .gguf files when it is installed")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads per model (default: every core this process may use). On a shared "
+                             "machine fewer threads than cores can be faster: a multi-token pass waits at each "
+                             "barrier for a thread that is not running")
+    # int8 drafts measured 1.21x over target-only at k=4 with the default pair, fp32 drafts 0.95x (BENCHMARKS.md).
+    parser.add_argument("--quantize-draft", choices=["auto", "int8", "none"], default="auto",
+                        help="torch runtime: weights of a draft model, int8 (cheaper drafts, output unchanged) or "
+                             "none (as loaded); auto (default): int8 on torch, the GGUF's own on llama.cpp")
+    parser.add_argument("--quantize-target", choices=["int8"], default=None,
+                        help="torch runtime: int8 weights for the target: a slightly different model, much faster, "
+                             "and a nearly flat verify cost; output is exact relative to the int8 target")
+    parser.add_argument("--k", default="auto",
+                        help="draft tokens per cycle, or 'auto' (default): chosen every cycle from the measured "
+                             "acceptance and costs, 0 (plain decoding) where speculation cannot pay")
+
+
+def generator_from_args(args):
+    """The SpeculativeGenerator that the flags of add_generation_args describe (models loaded once, here)."""
+    from specdec.generator import SpeculativeGenerator
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    runtime = pick_runtime(args.runtime, args.target)
+    draft_quantization = {"auto": "int8" if runtime == "torch" else None, "none": None}.get(args.quantize_draft,
+                                                                                          args.quantize_draft)
+    draft = None if args.draft == "none" else args.draft
+    return SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
+                                draft_quantization=draft_quantization, runtime=runtime, threads=args.threads)
