@@ -71,10 +71,9 @@ class Decoding:
         self._proposal: Proposal | None = None
         self._drafted_s = 0.0
 
-    def propose(self, max_width: int | None = None) -> torch.Tensor | None:
+    def propose(self) -> torch.Tensor | None:
         """Draft this cycle -> the tokens the target must evaluate for it ([1, n]: the newest committed token, then
-        the draft), or None when the cycle needs no target pass (no room left, or the prefill's logits suffice).
-        max_width caps the pass further (a batch shares its exact width among its sequences)."""
+        the draft), or None when the cycle needs no target pass (no room left, or the prefill's logits suffice)."""
         tick = time.perf_counter()
         room = self.target.max_length - self.context.shape[1]  # positions left in the target's context
         if room <= 0:
@@ -84,7 +83,6 @@ class Decoding:
         widest = verify_width(self.target, self.context.shape[1], self.max_new_tokens + 1)
         if widest == 1:
             self.stats.narrowed_cycles += 1
-        widest = min(widest, max_width or widest)
         # Drafting beyond budget - 1 tokens is wasted: the cycle emits n_accepted + 1 tokens.
         n = min(self.k.next_k(), budget - 1, widest - 1)
         self._proposal = self.drafter.propose(self.context, max(n, 0), self.sampling, self.generator)
@@ -139,13 +137,12 @@ def batch_cycle(decodings: list[Decoding], width: int) -> list[Step]:
     """One cycle of each unfinished decoding, their target passes fused (continuous batching with speculation).
 
     width: the most tokens one fused pass may hold while every token still gets the logits of a one-token pass of its
-    own sequence (the runtime's calibrated batch width). Each decoding drafts within its share of it, the target
-    evaluates all of them in as few passes as the width allows, and each verifies, commits and rolls back on its
-    own: acceptance is ragged. With more decodings than the width, each takes a plain step (still one fused pass per
-    `width` sequences). -> each decoding's Step, in order.
+    own sequence (the runtime's calibrated batch width). Each decoding drafts as it would alone (so that a seeded
+    sample does not depend on the batch), the target evaluates all of them in as few passes of at most `width`
+    tokens as they fit in, and each verifies, commits and rolls back on its own: acceptance is ragged.
+    -> each decoding's Step, in order.
     """
-    share = max(1, width // max(1, len(decodings)))
-    feeds = [decoding.propose(share) for decoding in decodings]
+    feeds = [decoding.propose() for decoding in decodings]
     started = time.perf_counter()
     logits = iter(fused_forward([(d.target, feed) for d, feed in zip(decodings, feeds) if feed is not None], width))
     elapsed = time.perf_counter() - started

@@ -130,9 +130,9 @@ class SpeculativeGenerator:
         produces does not depend on the other prompts: greedy output is the target's own, as generate()'s is, and a
         seeded sample is the one generate(prompt, seed=seed + index) gives. Each prompt drafts with a copy of the
         generator's drafter (Drafter.fork: a draft model gets a sequence slot per prompt; its steps are not fused).
-        A pass holds at most the target's calibrated batch width of tokens (on llama.cpp with specdec's kernels, 8),
-        within which every token's logits are those of a one-token pass of its own sequence; with more prompts than
-        that, they share several passes and draft nothing. Results come in the order of the prompts.
+        A pass holds at most the target's calibrated batch width of tokens (on llama.cpp with specdec's kernels, 16),
+        within which every token's logits are those of a one-token pass of its own sequence; what does not fit takes
+        further passes. Results come in the order of the prompts.
         """
         requests = [self.request(prompt, max_new_tokens, temperature, top_k, top_p,
                                  None if seed is None else seed + i, stop, chat)
