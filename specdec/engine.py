@@ -55,8 +55,10 @@ class Decoding:
 
     def __init__(self, target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
                  max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator,
-                 eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None):
-        """Prefills the prompt [1, n] at once (its last row gives p for the first new token)."""
+                 eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None, pinned_k: bool = False):
+        """Prefills the prompt [1, n] at once (its last row gives p for the first new token). pinned_k: in a batch,
+        draft as this decoding would alone (see batch_cycle)."""
+        self.pinned_k = pinned_k
         self.target, self.drafter, self.k = target, drafter, k
         self.max_new_tokens, self.sampling, self.generator, self.eos_ids = max_new_tokens, sampling, generator, eos_ids
         self.stats = stats if stats is not None else SpecStats()
@@ -71,9 +73,10 @@ class Decoding:
         self._proposal: Proposal | None = None
         self._drafted_s = 0.0
 
-    def propose(self) -> torch.Tensor | None:
+    def propose(self, max_width: int | None = None) -> torch.Tensor | None:
         """Draft this cycle -> the tokens the target must evaluate for it ([1, n]: the newest committed token, then
-        the draft), or None when the cycle needs no target pass (no room left, or the prefill's logits suffice)."""
+        the draft), or None when the cycle needs no target pass (no room left, or the prefill's logits suffice).
+        max_width caps the pass further (a batch shares its width among its sequences)."""
         tick = time.perf_counter()
         room = self.target.max_length - self.context.shape[1]  # positions left in the target's context
         if room <= 0:
@@ -83,6 +86,7 @@ class Decoding:
         widest = verify_width(self.target, self.context.shape[1], self.max_new_tokens + 1)
         if widest == 1:
             self.stats.narrowed_cycles += 1
+        widest = min(widest, max_width or widest)
         # Drafting beyond budget - 1 tokens is wasted: the cycle emits n_accepted + 1 tokens.
         n = min(self.k.next_k(), budget - 1, widest - 1)
         self._proposal = self.drafter.propose(self.context, max(n, 0), self.sampling, self.generator)
@@ -137,12 +141,13 @@ def batch_cycle(decodings: list[Decoding], width: int) -> list[Step]:
     """One cycle of each unfinished decoding, their target passes fused (continuous batching with speculation).
 
     width: the most tokens one fused pass may hold while every token still gets the logits of a one-token pass of its
-    own sequence (the runtime's calibrated batch width). Each decoding drafts as it would alone (so that a seeded
-    sample does not depend on the batch), the target evaluates all of them in as few passes of at most `width`
-    tokens as they fit in, and each verifies, commits and rolls back on its own: acceptance is ragged.
-    -> each decoding's Step, in order.
+    own sequence (the runtime's calibrated batch width). Each decoding drafts within its share of it, except one
+    with pinned_k (a seeded sample: how many tokens it drafts decides how its random stream is used, so it drafts as
+    it would alone); the target evaluates all of them in as few passes of at most `width` tokens as they fit in, and
+    each verifies, commits and rolls back on its own: acceptance is ragged. -> each decoding's Step, in order.
     """
-    feeds = [decoding.propose() for decoding in decodings]
+    share = max(1, width // max(1, len(decodings)))
+    feeds = [decoding.propose(None if decoding.pinned_k else share) for decoding in decodings]
     started = time.perf_counter()
     logits = iter(fused_forward([(d.target, feed) for d, feed in zip(decodings, feeds) if feed is not None], width))
     elapsed = time.perf_counter() - started

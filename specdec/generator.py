@@ -131,8 +131,9 @@ class SpeculativeGenerator:
         seeded sample is the one generate(prompt, seed=seed + index) gives. Each prompt drafts with a copy of the
         generator's drafter (Drafter.fork: a draft model gets a sequence slot per prompt; its steps are not fused).
         A pass holds at most the target's calibrated batch width of tokens (on llama.cpp with specdec's kernels, 16),
-        within which every token's logits are those of a one-token pass of its own sequence; what does not fit takes
-        further passes. Results come in the order of the prompts.
+        within which every token's logits are those of a one-token pass of its own sequence; prompts draft within
+        their share of it (a seeded sample drafts as it would alone), and what does not fit takes further passes.
+        Results come in the order of the prompts.
         """
         requests = [self.request(prompt, max_new_tokens, temperature, top_k, top_p,
                                  None if seed is None else seed + i, stop, chat)
@@ -242,9 +243,11 @@ class Batch:
         drafter = gen.drafter.fork()
         try:
             request.check_length(runner)
+            # Greedy output is the same whatever is drafted, so a batch may cap its drafts; a seeded sample is not.
             decoding = Decoding(runner, drafter, request.prompt_ids, k=request.k_policy(drafter),
                                 max_new_tokens=request.max_new_tokens, sampling=request.sampling,
-                                generator=request.generator, eos_ids=gen.eos_ids, stats=request.stats)
+                                generator=request.generator, eos_ids=gen.eos_ids, stats=request.stats,
+                                pinned_k=request.seed is not None and not request.sampling.greedy)
         except BaseException:
             _close(runner)
             drafter.close()
