@@ -71,6 +71,7 @@ class Decoding:
         self.emitted = 0
         self.done = max_new_tokens <= 0
         self._proposal: Proposal | None = None
+        self._budget = 0  # tokens this cycle may still emit (token budget and room in the context)
         self._drafted_s = 0.0
 
     def propose(self, max_width: int | None = None) -> torch.Tensor | None:
@@ -82,7 +83,7 @@ class Decoding:
         if room <= 0:
             self._proposal = None
             return None
-        budget = min(self.max_new_tokens - self.emitted, room)
+        budget = self._budget = min(self.max_new_tokens - self.emitted, room)
         widest = verify_width(self.target, self.context.shape[1], self.max_new_tokens + 1)
         if widest == 1:
             self.stats.narrowed_cycles += 1
@@ -126,8 +127,7 @@ class Decoding:
         stats.draft_calls += proposal.forward_calls
         stats.observe(draft.shape[1], n_accepted, proposal.source or self.drafter.name)
 
-        budget = min(self.max_new_tokens - self.emitted, self.target.max_length - self.context.shape[1])
-        step = _truncate(tokens[0, : n_accepted + 1].tolist(), n_accepted, budget, self.eos_ids)
+        step = _truncate(tokens[0, : n_accepted + 1].tolist(), n_accepted, self._budget, self.eos_ids)
         self.context = torch.cat([self.context, tokens[:, : len(step.tokens)]], dim=1)
         self.emitted += len(step.tokens)
         stats.new_tokens = self.emitted
@@ -157,19 +157,21 @@ def batch_cycle(decodings: list[Decoding], width: int) -> list[Step]:
 def fused_forward(items: list[tuple[Runner, torch.Tensor]], width: int) -> list[torch.Tensor]:
     """Each runner's logits for its tokens [1, n], evaluated in passes of at most `width` tokens in all: one pass per
     group where the runners' model can evaluate several sequences at once (forward_many), else one per runner."""
-    outputs, group, size = [], [], 0
-    for runner, tokens in items + [(None, None)]:
-        if group and (runner is None or size + tokens.shape[1] > width):
-            model = getattr(group[0][0], "model", None)
-            forward_many = getattr(model, "forward_many", None)
-            if forward_many is not None and len(group) > 1 and all(r.model is model for r, _ in group):
-                outputs += forward_many(group)
-            else:
-                outputs += [r.forward(t) for r, t in group]
-            group, size = [], 0
-        if runner is not None:
-            group.append((runner, tokens))
-            size += tokens.shape[1]
+    groups, size = [[]], 0
+    for runner, tokens in items:
+        if groups[-1] and size + tokens.shape[1] > width:
+            groups.append([])
+            size = 0
+        groups[-1].append((runner, tokens))
+        size += tokens.shape[1]
+    outputs = []
+    for group in groups:
+        model = getattr(group[0][0], "model", None) if group else None
+        forward_many = getattr(model, "forward_many", None)
+        if forward_many is not None and len(group) > 1 and all(r.model is model for r, _ in group):
+            outputs += forward_many(group)
+        else:
+            outputs += [r.forward(t) for r, t in group]
     return outputs
 
 

@@ -107,11 +107,13 @@ class SpeculativeGenerator:
                top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
                chat: bool = False, k: int | str | None = None) -> Iterator[Chunk]:
         """Yield chunks of new text as soon as each cycle commits them; the last chunk carries the stats."""
-        request = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k)
+        yield from self._stream(self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k))
+
+    def _stream(self, request: Request) -> Iterator[Chunk]:
         runner = new_runner(self.target, self.vocab_size)
         request.check_length(runner)
         steps = speculative_decode(runner, self.drafter, request.prompt_ids, k=request.k_policy(self.drafter),
-                                   max_new_tokens=max_new_tokens, sampling=request.sampling,
+                                   max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                                    generator=request.generator, eos_ids=self.eos_ids, stats=request.stats)
         for step in steps:
             chunk = request.output.chunk(step)
@@ -180,11 +182,10 @@ class SpeculativeGenerator:
                  top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
                  chat: bool = False, k: int | str | None = None) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt (text or token ids). temperature 0 is greedy."""
-        output = _Output(None, (), None)
-        for chunk in self.stream(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k):
-            output.collect(chunk)
-        output.stats = chunk.stats  # the last chunk carries them
-        return output.result()
+        request = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k)
+        for chunk in self._stream(request):
+            request.output.collect(chunk)
+        return request.output.result()
 
 
 @dataclass(eq=False)
@@ -221,8 +222,7 @@ class Batch:
     def __init__(self, generator: SpeculativeGenerator, max_batch: int | None = None):
         self.generator = generator
         self.fused = hasattr(generator.target, "new_batch_runner")
-        self.max_batch = max_batch
-        self._slots = {"slots": DEFAULT_MAX_BATCH if max_batch is None else max_batch}  # the batch context's size
+        self.max_batch = DEFAULT_MAX_BATCH if max_batch is None else max_batch
         self.active: list[tuple[Request, Decoding]] = []
 
     def has_room(self) -> bool:
@@ -230,15 +230,14 @@ class Batch:
 
     def room(self) -> int:
         """Requests that add() can start now."""
-        limit = DEFAULT_MAX_BATCH if self.max_batch is None else self.max_batch
-        room = limit - len(self.active)
-        return min(room, self.generator.target.free_batch_slots(limit)) if self.fused else room
+        room = self.max_batch - len(self.active)
+        return min(room, self.generator.target.free_batch_slots(self.max_batch)) if self.fused else room
 
     def add(self, request: Request) -> Chunk | None:
         """Start a request: a sequence slot, a drafter of its own, the prefill. -> its last chunk if that already ends
         it (nothing to generate), else None. A request the model refuses (too long) raises ValueError."""
         gen = self.generator
-        runner = (gen.target.new_batch_runner(gen.vocab_size, **self._slots) if self.fused
+        runner = (gen.target.new_batch_runner(gen.vocab_size, slots=self.max_batch) if self.fused
                   else new_runner(gen.target, gen.vocab_size))
         drafter = gen.drafter.fork()
         try:

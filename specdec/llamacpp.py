@@ -37,7 +37,7 @@ KV_CACHE_TYPES = {"f16": 1, "bf16": 30, "q8_0": 8}
 # 2.4743 (+0.2%). q8_0, because a separate bf16 run once took 267 ms at 4096 tokens (q8_0: 82): half the bytes per
 # cached token stay in the CPU's caches longer.
 DEFAULT_KV_CACHE = "q8_0"
-DEFAULT_BATCH_SLOTS = 8  # sequences a model's batch context holds (the server's --max-batch)
+DEFAULT_BATCH_SLOTS = 8  # sequences a model's batch context holds unless new_batch_runner is asked for more
 DEFAULT_SLOT_TOKENS = 4096  # KV cache per batched sequence, prompt and new tokens
 
 
@@ -247,18 +247,8 @@ class LlamaCppModel:
             entries += [(runner, runner.length + i, token) for i, token in enumerate(tokens)]
         if len(entries) > BATCH:
             raise ValueError(f"one pass holds at most {BATCH} tokens, got {len(entries)}")
-        lib, batch = context.lib, context.batch
-        for i, (runner, position, token) in enumerate(entries):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, True
-            batch.seq_id[i][0] = runner.seq
-        batch.n_tokens = len(entries)
-        status = lib.llama_decode(context.ctx, batch)
-        if status != 0:
-            for runner, _ in items:  # the cache may hold part of the batch: cut every sequence back
-                lib.llama_memory_seq_rm(context.memory, runner.seq, runner.length, -1)
-            raise RuntimeError(f"llama.cpp failed to evaluate {len(entries)} tokens (llama_decode returned {status})")
-        rows = [np.ctypeslib.as_array(lib.llama_get_logits_ith(context.ctx, i), shape=(self.n_vocab,)).copy()
-                for i in range(len(entries))]
+        rows = _evaluate(context, [(runner.seq, position, token, True) for runner, position, token in entries],
+                         self.n_vocab)
         outputs, start = [], 0
         for runner, ids in items:
             n = ids.shape[1]
@@ -347,10 +337,7 @@ def _kernels_id() -> str:
 
     folder = Path(_lib().__file__).parent / "lib"
     libraries = sorted(folder.glob("libggml-cpu*")) or sorted(folder.glob("*ggml*"))
-    digest = hashlib.sha256()
-    for library in libraries[:1]:
-        digest.update(library.read_bytes())
-    return digest.hexdigest()[:16]
+    return hashlib.sha256(libraries[0].read_bytes()).hexdigest()[:16] if libraries else ""
 
 
 LAYOUT_TIMING_TIMEOUT_S = 600  # loading a model twice and 20 one-token passes: seconds, even for a 7B on 2 cores
@@ -438,8 +425,8 @@ def measure_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats: int 
 
 
 def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_CONTEXTS) -> dict:
-    """At each context length (capped by the model's), evaluate the same tokens one at a time and in passes of 2..8
-    tokens -> {"exact_width": {length: the largest w such that every pass of 2..w tokens gives the one-token logits
+    """At each context length (capped by the model's), evaluate the same tokens one at a time and in passes of each
+    width in widths -> {"exact_width": {length: the largest w such that every pass of 2..w tokens gives the one-token logits
     bit for bit (1 if none does)}}. The long context costs a prefill of that many tokens, once per machine."""
     from tqdm import tqdm
 
@@ -493,6 +480,27 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS) -> dict
         runner.close()
     slots.context.free()
     return {"batch_width": widest}
+
+
+def _evaluate(context: _Context, entries: list[tuple[int, int, int, bool]], n_vocab: int) -> list[np.ndarray]:
+    """One llama_decode over entries (sequence id, position, token, whether its logits are wanted) -> the wanted
+    rows, in order. If it fails, every sequence in it is cut back to where its tokens start (the cache may hold part
+    of the batch), so that its runner stays consistent."""
+    lib, batch = context.lib, context.batch
+    for i, (seq, position, token, want) in enumerate(entries):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, want
+        batch.seq_id[i][0] = seq
+    batch.n_tokens = len(entries)
+    status = lib.llama_decode(context.ctx, batch)
+    if status != 0:
+        starts: dict[int, int] = {}
+        for seq, position, _, _ in entries:
+            starts.setdefault(seq, position)
+        for seq, start in starts.items():
+            lib.llama_memory_seq_rm(context.memory, seq, start, -1)
+        raise RuntimeError(f"llama.cpp failed to evaluate {len(entries)} tokens (llama_decode returned {status})")
+    return [np.ctypeslib.as_array(lib.llama_get_logits_ith(context.ctx, i), shape=(n_vocab,)).copy()
+            for i, (_, _, _, want) in enumerate(entries) if want]
 
 
 class _Slots:
@@ -620,23 +628,10 @@ class LlamaCppRunner:
         return logits[..., : self.vocab_size]
 
     def _decode(self, context: _Context, tokens: list[int], wanted: list[bool]) -> list[np.ndarray]:
-        lib, batch = context.lib, context.batch
-        for i, (token, want) in enumerate(zip(tokens, wanted)):
-            batch.token[i] = token
-            batch.pos[i] = self._length + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = self.seq
-            batch.logits[i] = want
-        batch.n_tokens = len(tokens)
-        status = lib.llama_decode(context.ctx, batch)
-        if status != 0:
-            # The cache may hold part of the batch now; cut it back so the runner stays consistent.
-            lib.llama_memory_seq_rm(context.memory, self.seq, self._length, -1)
-            raise RuntimeError(f"llama.cpp failed to evaluate {len(tokens)} tokens (llama_decode returned {status})")
+        rows = _evaluate(context, [(self.seq, self._length + i, token, want)
+                                   for i, (token, want) in enumerate(zip(tokens, wanted))], self.model.n_vocab)
         self._length += len(tokens)
-        n_vocab = self.model.n_vocab
-        return [np.ctypeslib.as_array(lib.llama_get_logits_ith(context.ctx, i), shape=(n_vocab,)).copy()
-                for i, want in enumerate(wanted) if want]
+        return rows
 
     def _own_context(self, needed: int) -> _Context:
         if self._private or self._slots is not None:

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from specdec.generator import DEFAULT_MAX_BATCH, Batch
 from specdec.options import add_generation_args, generator_from_args
 
 if TYPE_CHECKING:
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BATCH = 8  # requests decoded together (their target passes fused); more wait in the queue
 DEFAULT_MAX_QUEUE = 32  # requests that may wait while the batch is full; one more gets 503
 DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
 MAX_BODY_BYTES = 4 * 2**20  # a request body beyond this gets 413 before it is read: far more than any context holds
@@ -153,13 +153,11 @@ class _Scheduler:
     their client leaves. Up to max_queue more wait; beyond that a request gets 503 at once."""
 
     def __init__(self, generator: SpeculativeGenerator, max_batch: int, max_queue: int):
-        from specdec.generator import Batch
-
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
-        self.batch, self.max_batch, self.max_queue = Batch(generator, max_batch), max_batch, max_queue
+        self.batch, self.max_queue = Batch(generator, max_batch), max_queue
         self._waiting: deque[_Ticket] = deque()
         self._active: dict[GenerationRequest, _Ticket] = {}
         self._starting = 0  # requests taken from the queue whose prefill is running
@@ -179,7 +177,7 @@ class _Scheduler:
     def submit(self, request: GenerationRequest) -> _Ticket:
         ticket = _Ticket(request, asyncio.get_running_loop())
         with self._changed:
-            if len(self._waiting) >= self.max_queue and self.pending >= self.max_batch:
+            if len(self._waiting) >= self.max_queue and self.pending >= self.batch.max_batch:
                 raise APIError(503, f"the server is busy: {len(self._waiting)} requests are already waiting for the "
                                     "model; retry later", code="server_busy", kind="server_error",
                                headers={"Retry-After": "1"})

@@ -10,7 +10,6 @@ every answer is compared with the prompt's own `generate` output. Bounded in tim
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -18,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from specdec.bench.runner import machine_info, save
 from specdec.options import add_generation_args, generator_from_args
 
 DEFAULT_CLIENTS = "1,2,4,8,16"
@@ -54,7 +54,7 @@ def run_load_command(args) -> int:
     results["command"] = "specdec " + " ".join(sys.argv[1:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    _write(out / "results.json", json.dumps(results, indent=1) + "\n")
+    save(results, out / "results.json")
     _write(out / "report.md", report(results))
     plot(results, out / "throughput.png")
     print(report(results))
@@ -104,7 +104,7 @@ def run_load(generator, prompts: list[str], clients: list[int], requests: int, m
                 print(f"{label}, {n} clients: {row['tokens_per_s']:.1f} tokens/s, median TTFT "
                       f"{row['ttft_median_s']:.2f} s, identical {row['identical']}/{row['requests']}",
                       file=sys.stderr)
-    return {"max_tokens": max_tokens, "requests_per_client": requests, "rows": rows, "machine": _machine()}
+    return {"max_tokens": max_tokens, "requests_per_client": requests, "rows": rows, "machine": machine_info()}
 
 
 def _drive(url: str, prompts: list[str], references: dict[str, str], clients: int, max_tokens: int) -> dict:
@@ -178,15 +178,6 @@ class _Serving:
             server.should_exit = True
         for thread in self.threads:
             thread.join(timeout=30)
-
-
-def _machine() -> dict:
-    import os
-    import platform
-
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    return {"cpu": model, "cores": os.cpu_count(), "platform": platform.platform()}
 
 
 def report(results: dict) -> str:
