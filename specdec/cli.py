@@ -44,7 +44,7 @@ def run_generate(args) -> int:
     llama_cpp = _plain_llama_cpp(gen, args, settings) if args.compare else None
     if args.json:
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                  "stats": out.stats.to_dict()}
+                  "stats": out.stats.to_dict(), "cross_vocabulary": gen.cross_vocabulary}
         if baseline is not None:
             record["baseline"] = {"tokens_per_s": baseline.stats.tokens_per_s,
                                   "identical": baseline.token_ids == out.token_ids,

@@ -126,6 +126,7 @@ class Decoding:
         stats.target_calls += calls
         stats.draft_calls += proposal.forward_calls
         stats.observe(draft.shape[1], n_accepted, proposal.source or self.drafter.name)
+        stats.drafter_counts.update(proposal.counts)
 
         step = _truncate(tokens[0, : n_accepted + 1].tolist(), n_accepted, self._budget, self.eos_ids)
         self.context = torch.cat([self.context, tokens[:, : len(step.tokens)]], dim=1)

@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 import torch
 
 from specdec.adaptive import K_MAX, make_k_policy
-from specdec.drafters import ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
+from specdec.drafters import CrossVocabDrafter, ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
 from specdec.drafters.choice import ChoosingDrafter, Costs
 from specdec.engine import Decoding, batch_cycle, speculative_decode
 from specdec.metrics import SpecStats
@@ -76,6 +76,9 @@ class SpeculativeGenerator:
         info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype, draft_quantization, self.runtime,
                           threads)
         self.drafter, self.draft = build_drafter(draft, info, draft_tokenizer)
+        # How a draft model with another vocabulary drafts (drafters.cross_vocab), in words; None for the same one.
+        self.cross_vocabulary = (self.drafter.vocab.describe() if isinstance(self.drafter, CrossVocabDrafter)
+                                 else None)
         if (k == "auto" and isinstance(self.drafter, ModelDrafter) and hasattr(self.target, "verify_cost")
                 and hasattr(self.draft, "step_s")):
             # Where the runtime has calibrated its costs, "auto" also chooses how to draft, each cycle: suffix

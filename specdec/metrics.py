@@ -22,6 +22,9 @@ class SpecStats:
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: cycles whose draft token i was accepted
     # drafter name -> [cycles, drafted tokens, accepted tokens]: who drafted, where a drafter delegates per cycle
     by_drafter: dict[str, list[int]] = field(default_factory=dict)
+    # Counts specific to a drafter, summed over its proposals (a cross-vocabulary draft: its tokens written, the
+    # target tokens they re-tokenize to, ...; see the drafter's module)
+    drafter_counts: Counter = field(default_factory=Counter)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -77,6 +80,7 @@ class SpecStats:
             "acceptance_by_position": self.acceptance_by_position,
             "by_drafter": {name: {"cycles": c, "drafted_tokens": d, "accepted_tokens": a}
                            for name, (c, d, a) in self.by_drafter.items()},
+            "drafter_counts": dict(self.drafter_counts),
             "time_s": {
                 "prefill": self.prefill_s,
                 "draft": self.draft_s,

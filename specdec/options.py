@@ -4,6 +4,7 @@ bench, load), and the generator they describe. The front ends import this module
 from __future__ import annotations
 
 import argparse
+import sys
 
 from specdec import registry
 from specdec.models import RUNTIMES, pick_runtime
@@ -45,5 +46,8 @@ def generator_from_args(args):
     draft_quantization = {"auto": "int8" if runtime == "torch" else None, "none": None}.get(args.quantize_draft,
                                                                                           args.quantize_draft)
     draft = None if args.draft == "none" else args.draft
-    return SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
-                                draft_quantization=draft_quantization, runtime=runtime, threads=args.threads)
+    gen = SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
+                               draft_quantization=draft_quantization, runtime=runtime, threads=args.threads)
+    if gen.cross_vocabulary:
+        print(f"specdec: {gen.cross_vocabulary}", file=sys.stderr)
+    return gen

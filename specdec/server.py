@@ -643,7 +643,7 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "model": model_name, "pending": service.scheduler.pending,
-                "batch": service.scheduler.occupancy}
+                "batch": service.scheduler.occupancy, "cross_vocabulary": service.generator.cross_vocabulary}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -25,20 +25,24 @@ def tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = 64, layers:
 
 
 def cycling_model(cycle: str, seed: int = 0):
-    """A tiny Llama whose greedy output runs around `cycle` (distinct characters of the character tokenizer) forever:
-    every layer's output projections are zero, so the logits depend on the last token only; the embeddings are
-    orthonormal, and the output layer maps each character to the next one in the cycle (any other token to the
-    cycle's first). Its output repeats, so prompt lookup, early exit and a close draft all get long accepted runs."""
+    """A tiny Llama whose greedy output runs around `cycle` (distinct characters of the character tokenizer) forever.
+    Its output repeats, so prompt lookup, early exit and a close draft all get long accepted runs."""
     if len(set(cycle)) != len(cycle):
         raise ValueError("the cycle's characters must be distinct")
+    ids = [CHARS.index(c) + 1 for c in cycle]
     vocab = len(CHARS) + 1
+    return successor_model({token: ids[0] for token in range(vocab)} | dict(zip(ids, ids[1:] + ids[:1])), vocab, seed)
+
+
+def successor_model(following: dict[int, int], vocab: int, seed: int = 0):
+    """A tiny Llama whose greedy choice after token t is following[t], whatever came before: every layer's output
+    projections are zero, so the logits depend on the last token only; the embeddings are orthonormal, and the output
+    layer maps each token to its successor."""
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float64).eval()
-    ids = [CHARS.index(c) + 1 for c in cycle]
-    following = {token: ids[0] for token in range(vocab)} | dict(zip(ids, ids[1:] + ids[:1]))
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()
@@ -139,6 +143,28 @@ def char_tokenizer():
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+
+
+def byte_bpe_tokenizer(alphabet: str, merges: list[tuple[str, str]]):
+    """A byte-level BPE tokenizer (GPT-2 style, as Qwen's and SmolLM2's) over the bytes of alphabet's characters (a
+    character of several bytes is several tokens), with the given merges (pairs of strings, in order) and <eos> last,
+    as a transformers tokenizer. The whole text is one pre-token, so merges may cross spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    symbols = bytes_to_unicode()
+
+    def spelled(text: str) -> str:
+        return "".join(symbols[b] for b in text.encode())
+
+    vocab: dict[str, int] = {}
+    for token in [*(symbols[b] for b in alphabet.encode()), *(spelled(a + b) for a, b in merges)]:
+        vocab.setdefault(token, len(vocab))
+    backend = Tokenizer(models.BPE(vocab, [(spelled(a), spelled(b)) for a, b in merges]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
 
 

@@ -105,6 +105,22 @@ def test_report_rerenders_from_the_json_without_models(smoke, tmp_path, monkeypa
     assert str(tmp_path / "report.md") in capsys.readouterr().out
 
 
+def test_another_draft_model_is_a_method_with_its_own_cost(bench_inputs, tmp_path):
+    """model:MODEL@K drafts with a model other than --draft, its draft cost measured beside the run's own; a model
+    that cannot draft for the target is skipped with the reason."""
+    target, draft, _ = bench_inputs
+    code = bench(bench_inputs, tmp_path, "--preset", "smoke", "--methods",
+                 f"target-only,model:{draft}@2,model:{tmp_path / 'missing'}@2", "--sampled-methods", "")
+    results = json.loads((tmp_path / runner.RESULTS_FILE).read_text())
+    assert code == 0 and results["status"] == "complete"
+    assert f"model:{draft}@2" in results["methods"] and results["methods"][f"model:{draft}@2"]["draft_model"] == str(
+        draft)
+    assert f"model:{tmp_path / 'missing'}@2" in results["skipped"]
+    assert results["costs"]["c_by_draft"][str(draft)] > 0
+    row = next(r for r in report.summarise(results) if r["method"] == f"model:{draft}@2" and r["task"] == "all")
+    assert row["c"] == results["costs"]["c_by_draft"][str(draft)] and row["predicted_speedup"] > 0
+
+
 def test_ctrl_c_keeps_partial_results(bench_inputs, tmp_path, monkeypatch, capsys):
     measure = runner.measure
 

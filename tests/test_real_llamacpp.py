@@ -15,6 +15,7 @@ from test_real_models import human_eval_prompts
 pytestmark = pytest.mark.real_model
 
 NEW_TOKENS = 48
+CROSS_DRAFT = "smollm2-135m-instruct"  # a draft with a tokenizer of its own
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,27 @@ def test_every_drafter_keeps_greedy_output_identical(pair, references, drafter):
               f"acceptance {out.stats.acceptance_rate:.0%}, mean accepted length {out.stats.mean_accepted_length:.2f}")
     if drafter == "draft":
         assert out.stats.acceptance_rate > 0.5  # the same-family draft on code
+
+
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_a_draft_with_another_tokenizer_keeps_greedy_output_identical(pair, references, k):
+    """SmolLM2-135M (its own 49,152-token vocabulary) drafting for the Qwen target, across vocabularies."""
+    speculative, _ = pair
+    if not registry.gguf_ready(CROSS_DRAFT):
+        message = f"{CROSS_DRAFT} is not installed: run `specdec models pull {CROSS_DRAFT} --runtime llama.cpp`"
+        if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
+            pytest.fail(message)
+        pytest.skip(message)
+    gen = SpeculativeGenerator(speculative.target, CROSS_DRAFT, k=k, tokenizer=speculative.tokenizer)
+    assert gen.cross_vocabulary is not None
+    drafted = 0
+    for prompt, ref in references.items():
+        out = gen.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert out.token_ids == ref.token_ids, prompt
+        drafted += out.stats.drafted_tokens
+        print(f"{CROSS_DRAFT}@{k}: {out.stats.tokens_per_s:.2f} tok/s vs target-only {ref.stats.tokens_per_s:.2f}, "
+              f"acceptance {out.stats.acceptance_rate:.0%}, {dict(out.stats.drafter_counts)}")
+    assert drafted > 0 or k == "auto"
 
 
 def test_the_pair_runs_in_a_fraction_of_the_fp32_memory(pair):

@@ -182,7 +182,8 @@ def test_models_and_health(client, url):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-4")
-    assert httpx.get(f"{url}/health").json() == {"status": "ok", "model": MODEL, "pending": 0, "batch": 0}
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "model": MODEL, "pending": 0, "batch": 0,
+                                                       "cross_vocabulary": None}
 
 
 # ---- bad input: a 4xx in OpenAI's error shape, never a 500 or a hang

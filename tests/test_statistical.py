@@ -58,7 +58,7 @@ def reference_probs(logits: torch.Tensor, sampling: SamplingConfig) -> list[floa
 def target_distribution(runner: ToyRunner, n_new: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
     """Exact probability of every n_new-token continuation of PROMPT under the warped target."""
     out = {}
-    for seq in itertools.product(range(VOCAB), repeat=n_new):
+    for seq in itertools.product(range(runner.vocab_size), repeat=n_new):
         prob = 1.0
         for i, token in enumerate(seq):
             prob *= reference_probs(runner.logits_after(tuple(PROMPT) + seq[:i]), sampling)[token]
@@ -181,3 +181,63 @@ def test_negative_control_a_wrong_verifier_inside_a_batch_is_detected(monkeypatc
     counts = sample_sequences_in_batches(3, sampling)
     rare = {s for s, p in expected.items() if p == 0}
     assert set(counts) & rare or chi_square_p_value(counts, expected) < ALPHA
+
+
+# Drafting across vocabularies (drafters.cross_vocab). The target's tokenizer has a b c ab ca <eos> (6 tokens, the
+# ToyRunner's vocabulary); the draft's c b a bc ab abc <eos>: bc and abc are not the target's, and the draft puts
+# about a third of its mass on them, which the shared-vocabulary method must give up without bias.
+CROSS_TARGET = ("abc", [("a", "b"), ("c", "a")])
+CROSS_DRAFT = ("cba", [("b", "c"), ("a", "b"), ("ab", "c")])
+
+
+def cross_vocab_drafter(drafter_class=None):
+    from specdec.drafters.cross_vocab import CrossVocabDrafter, Vocabularies
+
+    from conftest import byte_bpe_tokenizer
+
+    target, draft = byte_bpe_tokenizer(*CROSS_TARGET), byte_bpe_tokenizer(*CROSS_DRAFT)
+    assert len(target) == VOCAB
+    vocab = Vocabularies(target, len(target), draft, len(draft))
+    make = lambda: ToyRunner(len(draft), seed=99, scale=2.0)  # noqa: E731
+    return (drafter_class or CrossVocabDrafter)(make, make, vocab)
+
+
+def test_cross_vocabulary_sampling_matches_target_distribution():
+    sampling = SamplingConfig(temperature=1.0)
+    expected = target_distribution(ToyRunner(VOCAB, seed=0), 3, sampling)
+    counts = sample_sequences(cross_vocab_drafter, 2, 3, sampling)
+    assert chi_square_p_value(counts, expected) > ALPHA
+
+
+def test_negative_control_cross_vocabulary_q_by_draft_ids_is_detected(monkeypatch):
+    """The method has to map q to the target's ids: a q left on the draft's ids (read as if the vocabularies were
+    one) is caught."""
+    from specdec.drafters.cross_vocab import Vocabularies
+
+    def by_draft_ids(self, draft_probs):
+        return draft_probs[..., : self.target_size]
+    monkeypatch.setattr(Vocabularies, "to_target", by_draft_ids)
+    sampling = SamplingConfig(temperature=1.0)
+    expected = target_distribution(ToyRunner(VOCAB, seed=0), 3, sampling)
+    assert chi_square_p_value(sample_sequences(cross_vocab_drafter, 2, 3, sampling), expected) < ALPHA
+
+
+def test_negative_control_cross_vocabulary_q_not_renormalised_is_detected():
+    """The draft samples among the shared tokens, so q must be its distribution restricted to them and
+    renormalised; reporting its unrestricted probabilities instead (the mass outside left out) is caught."""
+    from specdec.drafters.cross_vocab import CrossVocabDrafter
+
+    class Unrenormalised(CrossVocabDrafter):
+        def draft(self, context, k, sampling, generator, allowed=None):
+            tokens, probs = super().draft(context, k, sampling, generator, allowed)
+            seen = tuple(self.cached_ids[0, : context.shape[1]].tolist())
+            for i, token in enumerate(tokens[0].tolist()):
+                full = logits_to_probs(self.runner.logits_after(seen), sampling)
+                probs[0, i] = full * allowed
+                seen += (token,)
+            return tokens, probs
+
+    sampling = SamplingConfig(temperature=1.0)
+    expected = target_distribution(ToyRunner(VOCAB, seed=0), 3, sampling)
+    counts = sample_sequences(lambda: cross_vocab_drafter(Unrenormalised), 2, 3, sampling)
+    assert chi_square_p_value(counts, expected) < ALPHA

@@ -200,8 +200,10 @@ def _prepare(args, preset, candidates, results: dict):
     # The prediction for k draft tokens needs V(k+1): measure it besides the curve's widths.
     widths = VERIFY_WIDTHS + tuple(m.k + 1 for _, methods in schedule.by_temperature for m in methods
                                    if m.uses_draft_model and isinstance(m.k, int))
+    others = {m.draft_model: m.generator.draft for _, methods in schedule.by_temperature for m in methods
+              if getattr(m, "draft_model", None)}
     results["costs"] = measure_costs(gen.target, gen.draft, gen.vocab_size, _warm_context(units, gen, max(widths)),
-                                     widths, preset.cost_reps)
+                                     widths, preset.cost_reps, others)
     if preset.warmup:
         warm_up(schedule, results["skipped"])
     for spec, reason in results["skipped"].items():

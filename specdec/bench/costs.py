@@ -19,6 +19,7 @@ import torch
 
 from specdec.adaptive import expected_tokens
 from specdec.metrics import SpecStats
+from specdec.models import model_vocab_size
 from specdec.runners import Runner, new_runner
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per target pass on the verify-cost curve
@@ -60,35 +61,42 @@ def _pass_s(runner: Runner, new_ids: torch.Tensor, last_only: bool) -> float:
 
 
 def measure_costs(target, draft, vocab_size: int, context: torch.Tensor, widths=VERIFY_WIDTHS,
-                  reps: int = 5) -> dict:
+                  reps: int = 5, other_drafts: dict | None = None) -> dict:
     """Time target passes over each width and one draft step (draft may be None), each after the same warm cache of
-    context [1, n] tokens. Reps go round the widths in turn, so machine drift spreads over all of them."""
+    context [1, n] tokens. Reps go round the widths in turn, so machine drift spreads over all of them.
+    other_drafts {name: model}: more draft models (a bench's model:NAME methods), timed in the same rounds; their c
+    lands in "c_by_draft"."""
     widths = sorted(set(widths) | {1})
     new_ids = context[:, : max(widths)].flip(1)  # [1, max width]: any in-vocabulary tokens will do
     target_runner = new_runner(target, vocab_size)
     target_runner.forward(context, last_only=True)
-    draft_runner = None
-    if draft is not None:
-        draft_runner = new_runner(draft, vocab_size)
-        draft_runner.forward(context, last_only=True)
+    drafts = {name: model for name, model in {"draft": draft, **(other_drafts or {})}.items() if model is not None}
+    draft_runners = {}
+    for name, model in drafts.items():
+        own = model_vocab_size(model)  # a draft with its own vocabulary reads ids below its size: any will do
+        draft_runners[name] = (new_runner(model, min(vocab_size, own)), new_ids[:, :1] % own)
+        draft_runners[name][0].forward(context % own, last_only=True)
     target_s = {w: [] for w in widths}
-    draft_s = []
+    draft_s = {name: [] for name in drafts}
     for _ in range(reps):
         for w in widths:
             # The engine's verify pass reads logits at every position: last_only=False, as there.
             target_s[w].append(_pass_s(target_runner, new_ids[:, :w], last_only=False))
-        if draft_runner is not None:
+        for name, (runner, token) in draft_runners.items():
             # A draft step feeds one token and reads the last logits, as ModelDrafter does.
-            draft_s.append(_pass_s(draft_runner, new_ids[:, :1], last_only=True))
+            draft_s[name].append(_pass_s(runner, token, last_only=True))
     target_median = {w: statistics.median(samples) for w, samples in target_s.items()}
+    mine = draft_s.get("draft", [])
     costs = {
         "context_tokens": int(context.shape[1]),
         "reps": reps,
         "target_pass_s": {str(w): samples for w, samples in target_s.items()},
         "target_pass_median_s": {str(w): s for w, s in target_median.items()},
         "verify_ratio": {str(w): s / target_median[1] for w, s in target_median.items()},
-        "draft_step_s": draft_s,
-        "draft_step_median_s": statistics.median(draft_s) if draft_s else None,
+        "draft_step_s": mine,
+        "draft_step_median_s": statistics.median(mine) if mine else None,
+        "c_by_draft": {name: statistics.median(samples) / target_median[1] for name, samples in draft_s.items()
+                       if name != "draft"},
     }
-    costs["c"] = costs["draft_step_median_s"] / target_median[1] if draft_s else None
+    costs["c"] = costs["draft_step_median_s"] / target_median[1] if mine else None
     return costs

@@ -8,7 +8,9 @@ llama-cpp-python: its own generation loop and its own prompt-lookup speculation 
                runtime)
 
 A method is written NAME[@K]: "target-only", "draft@4", "draft@auto", "ngram@4", "self:7@4", "hf-assisted",
-"llama-lookup". A peer that does not run on the benchmark's runtime is skipped with the reason.
+"llama-lookup", or "model:MODEL@K" for a draft model other than the run's own (--draft), given like --target (e.g.
+"model:smollm2-135m-instruct@3": a draft with its own vocabulary, see drafters.cross_vocab). A peer that does not run
+on the benchmark's runtime is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -55,8 +57,15 @@ class Method:
 class Ours(Method):
     family = "ours"
 
-    def __init__(self, label: str, generator: SpeculativeGenerator, k: int | str | None, uses_draft_model: bool):
+    def __init__(self, label: str, generator: SpeculativeGenerator, k: int | str | None, uses_draft_model: bool,
+                 draft_model: str | None = None):
+        """draft_model: the name of a model:MODEL method's own draft (None: the run's draft model, if any)."""
         self.label, self.generator, self.k, self.uses_draft_model = label, generator, k, uses_draft_model
+        self.draft_model = draft_model
+
+    def describe(self) -> dict:
+        return {**super().describe(), "draft_model": self.draft_model,
+                "cross_vocabulary": self.generator.cross_vocabulary}
 
     def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Output:
         out = self.generator.generate(prompt_ids, max_new_tokens, temperature, seed=seed, k=self.k)
@@ -157,6 +166,15 @@ def build_method(spec: str, gen: SpeculativeGenerator, default_k: int | str = 4)
         drafter = gen.drafter if k == "auto" else getattr(gen.drafter, "model_drafter", None) or gen.drafter
         return Ours(f"draft@{k}", _sibling(gen, drafter, k), k, gen.draft is not None)
     drafter_name, _, arg = name.partition(":")
+    if drafter_name == "model":
+        try:
+            other = _sibling(gen, arg, k)
+        except (ValueError, OSError) as error:
+            raise MethodUnavailable(f"draft model {arg!r}: {error}") from None
+        # As draft@K: at a fixed k the draft model alone, at auto the per-cycle choice.
+        if k != "auto":
+            other.drafter = getattr(other.drafter, "model_drafter", None) or other.drafter
+        return Ours(f"{name}@{k}", other, k, True, draft_model=arg)
     if drafter_name not in DRAFTERS:
         raise MethodUnavailable(f"no drafter {drafter_name!r} in specdec.drafters.DRAFTERS "
                                 f"(registered: {', '.join(sorted(DRAFTERS))})")

@@ -143,14 +143,16 @@ def _prediction(row: dict, info: dict, costs: dict | None) -> dict:
     empty = {"c": None, "verify_ratio": None, "predicted_tokens_per_cycle": None, "predicted_speedup": None,
              "measured_over_predicted": None}
     k, a = info.get("k"), row["per_token_acceptance"]
-    if not info.get("uses_draft_model") or not isinstance(k, int) or a is None or not costs or costs.get("c") is None:
+    c = (costs or {}).get("c_by_draft", {}).get(info["draft_model"]) if info.get("draft_model") else (costs or {}).get(
+        "c")
+    if not info.get("uses_draft_model") or not isinstance(k, int) or a is None or c is None:
         return empty
     verify_ratio = costs["verify_ratio"].get(str(k + 1))
     if verify_ratio is None:
         return empty
-    predicted = predicted_speedup(a, k, costs["c"], verify_ratio)
-    return {"c": costs["c"], "verify_ratio": verify_ratio,
-            "predicted_tokens_per_cycle": predicted * (k * costs["c"] + verify_ratio),
+    predicted = predicted_speedup(a, k, c, verify_ratio)
+    return {"c": c, "verify_ratio": verify_ratio,
+            "predicted_tokens_per_cycle": predicted * (k * c + verify_ratio),
             "predicted_speedup": predicted, "measured_over_predicted": _ratio(row["decode_speedup"], predicted)}
 
 
@@ -268,6 +270,7 @@ def _costs_section(costs: dict | None) -> list[str]:
     rows = [[w, _f(costs["target_pass_median_s"][w], 3), _f(costs["verify_ratio"][w], 2)]
             for w in costs["verify_ratio"]]
     c = "—" if costs.get("c") is None else f"{costs['c']:.3f} ({costs['draft_step_median_s']:.3f} s per draft step)"
+    c += "".join(f"; {name}: {value:.3f}" for name, value in costs.get("c_by_draft", {}).items())
     return ["## Measured costs", "",
             f"Median of {costs['reps']} timed passes each after a warm cache of {costs['context_tokens']} tokens. "
             f"Cost ratio c (one draft step / one target step): {c}.", "",

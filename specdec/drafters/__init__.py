@@ -8,8 +8,10 @@ from typing import Callable
 import torch
 
 from specdec.drafters.base import Drafter, NoDrafter, Proposal
+from specdec.drafters.cross_vocab import CrossVocabDrafter, Vocabularies
 from specdec.drafters.model import ModelDrafter
-from specdec.models import load_model, shared_vocab_size
+from specdec.models import (IncompatibleVocabulary, load_model, own_vocab_size, shared_vocab_size,
+                            vocabulary_difference)
 from specdec.runners import check_rollback_supported, new_runner
 
 
@@ -49,10 +51,22 @@ def _no_drafter(target: TargetInfo, arg: str | None):
 
 
 def model_drafter(draft_model, target: TargetInfo, draft_tokenizer=None) -> ModelDrafter:
-    """A draft model behind the drafter protocol, checked against the target's vocabulary and rollback support."""
+    """A draft model behind the drafter protocol, checked for rollback support; one with a vocabulary of its own
+    drafts across vocabularies (drafters.cross_vocab)."""
     check_rollback_supported(draft_model)
-    vocab_size = shared_vocab_size(target.model, target.tokenizer, draft_model, draft_tokenizer)
     batch_runner = getattr(draft_model, "new_batch_runner", None)
+    if target.tokenizer is not None and draft_tokenizer is not None:
+        difference = vocabulary_difference(target.tokenizer, draft_tokenizer)
+        if difference is not None:
+            try:
+                vocab = Vocabularies(target.tokenizer, target.vocab_size, draft_tokenizer,
+                                     own_vocab_size(draft_model, draft_tokenizer))
+            except IncompatibleVocabulary as error:
+                raise IncompatibleVocabulary(f"{difference}, and {error}") from None
+            return CrossVocabDrafter(lambda: new_runner(draft_model, vocab.draft_size),
+                                     (lambda: batch_runner(vocab.draft_size)) if batch_runner is not None else None,
+                                     vocab)
+    vocab_size = shared_vocab_size(target.model, target.tokenizer, draft_model, draft_tokenizer)
     return ModelDrafter(lambda: new_runner(draft_model, vocab_size),
                         (lambda: batch_runner(vocab_size)) if batch_runner is not None else None)
 
@@ -71,7 +85,7 @@ def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Draft
     return model_drafter(draft_model, target, draft_tokenizer), draft_model
 
 
-__all__ = ["DRAFTERS", "Drafter", "ModelDrafter", "NoDrafter", "Proposal", "TargetInfo", "build_drafter",
+__all__ = ["DRAFTERS", "CrossVocabDrafter", "Drafter", "ModelDrafter", "NoDrafter", "Proposal", "TargetInfo", "build_drafter",
            "model_drafter", "register"]
 
 # Imported last: each module registers its drafters with `register`, defined above.

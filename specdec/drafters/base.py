@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,6 +16,7 @@ class Proposal:
     probs: torch.Tensor | None = None  # q [batch, n, vocab]; None for deterministic drafters (one-hot q)
     forward_calls: int = 0  # model forward passes spent on this proposal
     source: str | None = None  # which drafter authored it, where one drafter delegates to others (None: the drafter)
+    counts: dict[str, float] = field(default_factory=dict)  # what is specific to the drafter, summed in SpecStats
 
     @staticmethod
     def empty(batch: int = 1) -> "Proposal":

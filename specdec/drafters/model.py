@@ -47,13 +47,29 @@ class ModelDrafter(Drafter):
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
         if k == 0:
             return Proposal.empty(context.shape[0])
-        # Roll back to what the cache shares with the context (the rejected tail goes), then feed the rest.
-        keep = common_prefix_length(self.cached_ids, context)
+        draft, draft_probs = self.draft(context, k, sampling, generator)
+        return Proposal(draft, draft_probs, forward_calls=k)
+
+    def draft(self, context: torch.Tensor, k: int, sampling: SamplingConfig, generator,
+              allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """k tokens of the draft model after context [batch, n] (its own token ids) -> (tokens [batch, k], q
+        [batch, k, vocab] or None when greedy). allowed [vocab] (bool): draft only among these tokens, q restricted
+        to them and renormalised; the mass given up (summed over steps and rows, at the sampling temperature) is
+        left in self.outside_mass."""
+        # Roll back to what the cache shares with the context (the rejected tail goes), then feed the rest: at least
+        # the last token, whose logits give the first draft token.
+        keep = min(common_prefix_length(self.cached_ids, context), context.shape[1] - 1)
         self.runner.rollback(keep)
         pending = context[:, keep:]
         tokens, probs = [], []
+        self.outside_mass = 0.0
         for _ in range(k):
             logits = self.runner.forward(pending, last_only=True)[:, -1]  # [batch, vocab]
+            if allowed is not None:
+                scaled = logits / (sampling.temperature or 1.0)
+                kept = torch.logsumexp(scaled[:, allowed], dim=-1) - torch.logsumexp(scaled, dim=-1)
+                self.outside_mass += float((1 - kept.exp()).sum())
+                logits = logits.masked_fill(~allowed, float("-inf"))
             if sampling.greedy:
                 token, q = logits.argmax(dim=-1), None
             else:
@@ -65,5 +81,4 @@ class ModelDrafter(Drafter):
         draft = torch.stack(tokens, dim=1)  # [batch, k]
         # The last draft token was never fed: the cache holds the context and the first k-1 draft tokens.
         self.cached_ids = torch.cat([context, draft[:, :-1]], dim=1)
-        draft_probs = None if sampling.greedy else torch.stack(probs, dim=1)  # [batch, k, vocab]
-        return Proposal(draft, draft_probs, forward_calls=k)
+        return draft, None if sampling.greedy else torch.stack(probs, dim=1)  # [batch, k, vocab]
