@@ -83,7 +83,9 @@ class SpeculativeGenerator:
                 and hasattr(self.draft, "step_s")):
             # Where the runtime has calibrated its costs, "auto" also chooses how to draft, each cycle: suffix
             # lookup (free), the draft model, or nothing.
-            costs = Costs(self.target.verify_cost, self.draft.step_s / self.target.step_s)
+            # A token the draft model takes in while catching up costs what one does in its calibrated 16-token pass.
+            c = self.draft.step_s / self.target.step_s
+            costs = Costs(self.target.verify_cost, c, c * self.draft.verify_cost(16) / 16)
             self.drafter = ChoosingDrafter(SuffixDrafter(), self.drafter, costs)
         self.eos_ids = _eos_ids(self.target, self.tokenizer)
 

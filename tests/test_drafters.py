@@ -148,7 +148,8 @@ def test_suffix_remembers_earlier_requests():
 
 # --- the per-cycle choice of drafter and k ---------------------------------------------------------------------------
 
-FLAT = Costs(verify=lambda width: 1.0 + 0.02 * (width - 1), draft_step=0.2)  # a GPU-like verify pass
+# A GPU-like verify pass (and draft model: catching up on many tokens costs little more than one step)
+FLAT = Costs(verify=lambda width: 1.0 + 0.02 * (width - 1), draft_step=0.2, draft_token=0.01)
 STEEP = Costs(verify=lambda width: float(width), draft_step=0.5)  # every extra token costs a whole pass
 
 
@@ -185,6 +186,24 @@ def test_choosing_drafter_uses_lookup_on_repeated_text_and_the_model_elsewhere(t
     assert cycles_by(stats, "suffix") > cycles_by(stats, "model") and stats.mean_accepted_length > 3
     _, stats = decode(target, drafter, [50, 7, 33], 8)  # nothing to look up: the close draft model drafts
     assert cycles_by(stats, "model") > cycles_by(stats, "suffix") and stats.accepted_tokens > 0
+
+
+def test_choosing_drafter_catches_the_draft_model_up_only_where_that_pays(target):
+    """A draft model that has not read a long prompt must take it all in before its first draft token. Where the
+    model would gain a little over plain steps, that is never worth it in a short request; where it would gain a lot,
+    it is after a few plain steps (their lost time pays for it); with catching up free, the model drafts at once."""
+    import random
+
+    prompt = random.Random(0).sample(range(3, 60), 50)  # no token twice: lookup finds nothing
+    gains_a_little = Costs(lambda width: 1.0 + 0.4 * (width - 1), draft_step=0.1, draft_token=0.05)
+    gains_a_lot = Costs(FLAT.verify, FLAT.draft_step, draft_token=0.05)  # 49 tokens behind: ~2.5 target steps
+    free = Costs(FLAT.verify, FLAT.draft_step, draft_token=0.0)
+    plain_steps = {}
+    for name, costs in (("a little", gains_a_little), ("a lot", gains_a_lot), ("free", free)):
+        _, stats = decode(target, chooser(target, costs), prompt, 8, max_new_tokens=60)
+        plain_steps[name] = cycles_by(stats, "none")
+        assert (cycles_by(stats, "model") > 0) == (name != "a little"), (name, stats.by_drafter)
+    assert plain_steps["free"] <= 1 < plain_steps["a lot"] < plain_steps["a little"]
 
 
 def test_choosing_drafter_verifies_the_best_prefix_of_a_long_lookup_match(target):

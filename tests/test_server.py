@@ -446,3 +446,29 @@ def test_load_generator_drives_both_servers_and_checks_every_answer(generator, t
     assert (tmp_path / "throughput.png").stat().st_size > 0
     with pytest.raises(ValueError, match="--clients"):
         load._counts("1,x")
+
+
+def test_a_draft_with_another_tokenizer_serves_the_targets_output():
+    """Cross-vocabulary drafting behind the server: /health says how it drafts, and concurrent completions (batched,
+    each with its own forked drafter) equal the generator's own output, greedy and seeded."""
+    from test_cross_vocab import ALPHABET, DRAFT_MERGES, TARGET_MERGES
+
+    from conftest import byte_bpe_tokenizer
+
+    target_tokenizer = byte_bpe_tokenizer(ALPHABET, TARGET_MERGES)
+    draft_tokenizer = byte_bpe_tokenizer(ALPHABET[::-1], DRAFT_MERGES)
+    gen = SpeculativeGenerator(tiny_model("qwen2", seed=0, vocab_size=len(target_tokenizer)),
+                               tiny_model("llama", seed=4, vocab_size=len(draft_tokenizer)), k=2,
+                               tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer)
+    prompts = ["abcd", "hgfe ab", "cafe", "dead beef", "é a b"]
+    with serve(create_app(gen, MODEL)) as base:
+        assert "shared-vocabulary rejection sampling" in httpx.get(f"{base}/health").json()["cross_vocabulary"]
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+        for temperature in (0.0, 0.8):
+            def complete(prompt):
+                return client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=temperature,
+                                                 seed=3).choices[0].text
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                texts = list(pool.map(complete, prompts))
+            for prompt, text in zip(prompts, texts):
+                assert text == gen.generate(prompt, max_new_tokens=12, temperature=temperature, seed=3).text, prompt

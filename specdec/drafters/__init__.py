@@ -54,21 +54,29 @@ def model_drafter(draft_model, target: TargetInfo, draft_tokenizer=None) -> Mode
     """A draft model behind the drafter protocol, checked for rollback support; one with a vocabulary of its own
     drafts across vocabularies (drafters.cross_vocab)."""
     check_rollback_supported(draft_model)
+    vocab = _other_vocabulary(draft_model, target, draft_tokenizer)
+    size = vocab.draft_size if vocab else shared_vocab_size(target.model, target.tokenizer, draft_model,
+                                                            draft_tokenizer)
     batch_runner = getattr(draft_model, "new_batch_runner", None)
-    if target.tokenizer is not None and draft_tokenizer is not None:
-        difference = vocabulary_difference(target.tokenizer, draft_tokenizer)
-        if difference is not None:
-            try:
-                vocab = Vocabularies(target.tokenizer, target.vocab_size, draft_tokenizer,
-                                     own_vocab_size(draft_model, draft_tokenizer))
-            except IncompatibleVocabulary as error:
-                raise IncompatibleVocabulary(f"{difference}, and {error}") from None
-            return CrossVocabDrafter(lambda: new_runner(draft_model, vocab.draft_size),
-                                     (lambda: batch_runner(vocab.draft_size)) if batch_runner is not None else None,
-                                     vocab)
-    vocab_size = shared_vocab_size(target.model, target.tokenizer, draft_model, draft_tokenizer)
-    return ModelDrafter(lambda: new_runner(draft_model, vocab_size),
-                        (lambda: batch_runner(vocab_size)) if batch_runner is not None else None)
+    make_runner = lambda: new_runner(draft_model, size)  # noqa: E731
+    make_fork_runner = (lambda: batch_runner(size)) if batch_runner is not None else None
+    return CrossVocabDrafter(make_runner, make_fork_runner, vocab) if vocab else ModelDrafter(make_runner,
+                                                                                              make_fork_runner)
+
+
+def _other_vocabulary(draft_model, target: TargetInfo, draft_tokenizer) -> Vocabularies | None:
+    """How the draft's vocabulary maps to the target's where the tokenizers differ; None where they are the same
+    (or either is unknown: then shared_vocab_size compares the output layers)."""
+    if target.tokenizer is None or draft_tokenizer is None:
+        return None
+    difference = vocabulary_difference(target.tokenizer, draft_tokenizer)
+    if difference is None:
+        return None
+    try:
+        return Vocabularies(target.tokenizer, target.vocab_size, draft_tokenizer,
+                            own_vocab_size(draft_model, draft_tokenizer))
+    except IncompatibleVocabulary as error:
+        raise IncompatibleVocabulary(f"{difference}, and {error}") from None
 
 
 def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Drafter, object]:

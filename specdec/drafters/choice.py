@@ -6,6 +6,11 @@ this request (Leviathan et al. 2023, eq. 1: a cycle of k draft tokens accepted w
 (1 - a^(k+1)) / (1 - a) tokens). Lookup costs nothing to try, so its proposal is made first and weighed as it is; the
 draft model's k is the best for its acceptance; plain decoding yields one token per one-token pass. The choice uses no
 clock, so a seeded sample repeats exactly.
+
+A draft model must first take in what it has not read (the whole prompt the first time it drafts in a request). That
+cost is paid out of the regret, the target time lost so far to cycles where a caught-up model would have done better,
+and what the regret does not cover counts against the model: a model that would gain a little is never caught up on
+a long prompt, one that gains a lot soon is (the ski-rental rule: rent until the rent paid would have bought skis).
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ class Costs:
     """Calibrated costs in units of one one-token target pass."""
     verify: Callable[[int], float]  # a target pass over w tokens (draft tokens + 1)
     draft_step: float  # one draft-model step
+    # One token fed to the draft model within a longer pass, as when it catches up with the context (the whole
+    # prompt the first time it drafts in a request); None: a step per token, the cautious guess.
+    draft_token: float | None = None
 
 
 class _Acceptance:
@@ -64,27 +72,40 @@ class ChoosingDrafter(Drafter):
                 self.model_drafter.begin(prompt_ids)
         self.acceptance = {name: _Acceptance(*self.prior) for name in ("lookup", "model")}
         self.chosen: str | None = None  # what the target is verifying: "lookup", "model" or None
+        self.regret = 0.0  # target steps lost to not drafting with a caught-up model (see the module's docstring)
 
     def propose(self, context, k, sampling, generator) -> Proposal:
         verify = self.costs.verify
-        options = {"none": (1.0 / verify(1), 0)}  # (expected tokens per target step, draft tokens)
+        # name -> (expected tokens per target step, draft tokens, expected tokens of the cycle)
+        options = {"none": (1.0 / verify(1), 0, 1.0)}
         proposal = self.lookup.propose(context, k, sampling, generator) if k > 0 else Proposal.empty()
         if proposal.tokens.shape[1]:
             # a prefix of the lookup's guess may be worth more than all of it: each token beyond costs verify time
             a = self.acceptance["lookup"].rate
             n = best_k(a, 0.0, verify, proposal.tokens.shape[1])
-            options["lookup"] = (expected_tokens(a, n) / verify(n + 1), n)
+            options["lookup"] = (expected_tokens(a, n) / verify(n + 1), n, expected_tokens(a, n))
             proposal = _prefix(proposal, n)
+        catch_up = missed = 0.0
         if self.model_drafter is not None and k > 0:
             a, c = self.acceptance["model"].rate, self.costs.draft_step
             k_model = best_k(a, c, verify, k)
-            options["model"] = (expected_tokens(a, k_model) / (k_model * c + verify(k_model + 1)), k_model)
+            tokens, cycle = expected_tokens(a, k_model), k_model * c + verify(k_model + 1)  # cycle: once caught up
+            # Tokens the model must first take in beyond the one its first step feeds (the whole prompt the first
+            # time it drafts in a request), as far as the regret has not paid for them.
+            behind = max(0, self.model_drafter.tokens_behind(context) - 1)
+            catch_up = behind * (self.costs.draft_token if self.costs.draft_token is not None else c)
+            missed = max(0.0, 1.0 / max(rate for rate, _, _ in options.values()) - cycle / tokens)  # per token
+            options["model"] = (tokens / (cycle + max(0.0, catch_up - self.regret)), k_model, tokens)
         choice = max(options, key=lambda name: options[name][0])  # ties: the first, plain decoding
         self.chosen = None if choice == "none" else choice
         if choice == "model":
+            self.regret = max(0.0, self.regret - catch_up)
             proposal = self.model_drafter.propose(context, options["model"][1], sampling, generator)
-        elif choice == "none":
-            proposal = Proposal.empty(context.shape[0])
+        else:
+            # what a caught-up model would have saved on this cycle's tokens, counted toward catching it up
+            self.regret += missed * options[choice][2]
+            if choice == "none":
+                proposal = Proposal.empty(context.shape[0])
         proposal.source = {"lookup": self.lookup.name, "model": self.model_drafter.name if self.model_drafter else
                            None, "none": "none"}[choice]
         return proposal

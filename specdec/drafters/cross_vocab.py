@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from specdec.drafters.base import Proposal
-from specdec.drafters.model import ModelDrafter
+from specdec.drafters.model import ModelDrafter, common_prefix_length
 from specdec.models import IncompatibleVocabulary
 from specdec.runners import Runner
 from specdec.sampling import SamplingConfig
@@ -162,6 +162,12 @@ class CrossVocabDrafter(ModelDrafter):
 
     def fork(self) -> CrossVocabDrafter:
         return CrossVocabDrafter(self.make_fork_runner, self.make_fork_runner, self.vocab)
+
+    def tokens_behind(self, context: torch.Tensor) -> int:
+        """Roughly: the committed target tokens not yet taken in (the draft's own tokens for them are not counted
+        until it drafts) plus the draft tokens of earlier updates that its cache lacks."""
+        return context.shape[1] - self.text.n_target + len(self.text.ids) - common_prefix_length(
+            self.cached_ids, torch.tensor([self.text.ids], dtype=torch.long))
 
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
         draft_context = self.text.update(context)

@@ -44,6 +44,10 @@ class ModelDrafter(Drafter):
         if close is not None:
             close()
 
+    def tokens_behind(self, context: torch.Tensor) -> int:
+        """Tokens of context [1, n] that the draft model would have to take in before its first draft token."""
+        return context.shape[1] - common_prefix_length(self.cached_ids, context)
+
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
         if k == 0:
             return Proposal.empty(context.shape[0])
