@@ -440,12 +440,28 @@ def test_load_generator_drives_both_servers_and_checks_every_answer(generator, t
     assert [(r["server"], r["clients"]) for r in rows] == [("one at a time", 1), ("batched (max 4)", 1),
                                                            ("one at a time", 2), ("batched (max 4)", 2)]
     assert all(r["identical"] == r["requests"] == 2 * r["clients"] and r["tokens"] > 0 for r in rows)
+    assert all(r["failed"] == 0 and not r["errors"] and r["peak_rss_mb"] >= results["rss_before_mb"] * 0.5
+               for r in rows)
     text = load.report(results)
     assert "| 2 | batched (max 4) |" in text and "identical to generate" in text
     load.plot(results, tmp_path / "throughput.png")
     assert (tmp_path / "throughput.png").stat().st_size > 0
     with pytest.raises(ValueError, match="--clients"):
         load._counts("1,x")
+
+
+def test_load_generator_counts_failed_requests_and_goes_on(generator):
+    """A request the server refuses (503: no room in its queue) is counted as failed with its reason; the other
+    clients' answers are still checked."""
+    from specdec.bench import load
+
+    prompts = ["ab", "cd", "ef"]
+    references = {p: generator.generate(p, max_new_tokens=16, chat=True).text for p in prompts}
+    with forward_hook(generator.target, lambda *args: time.sleep(0.02)), \
+            serve(create_app(generator, load.MODEL_NAME, max_queue=0, max_batch=1)) as base:
+        row = load._drive(base, prompts, references, clients=3, max_tokens=16)
+    assert row["failed"] >= 1 and row["identical"] == row["requests"] - row["failed"] >= 1, row["errors"]
+    assert any("503" in error or "busy" in error.lower() for error in row["errors"]), row["errors"]
 
 
 def test_a_draft_with_another_tokenizer_serves_the_targets_output():

@@ -96,15 +96,18 @@ def run_load(generator, prompts: list[str], clients: list[int], requests: int, m
     servers = {"one at a time": create_app(generator, MODEL_NAME, max_queue=256, max_batch=1),
                f"batched (max {max_batch})": create_app(generator, MODEL_NAME, max_queue=256, max_batch=max_batch)}
     rows = []
+    rss_before = _rss_mb()
     with _Serving(servers) as urls:
         for n in clients:
             for label, url in urls.items():
-                row = _drive(url, prompts[: n * requests], references, n, max_tokens)
-                rows.append({"server": label, "clients": n, **row})
+                with _PeakRss() as memory:
+                    row = _drive(url, prompts[: n * requests], references, n, max_tokens)
+                rows.append({"server": label, "clients": n, **row, "peak_rss_mb": memory.peak_mb})
                 print(f"{label}, {n} clients: {row['tokens_per_s']:.1f} tokens/s, median TTFT "
-                      f"{row['ttft_median_s']:.2f} s, identical {row['identical']}/{row['requests']}",
-                      file=sys.stderr)
-    return {"max_tokens": max_tokens, "requests_per_client": requests, "rows": rows, "machine": machine_info()}
+                      f"{row['ttft_median_s']:.2f} s, identical {row['identical']}/{row['requests']}, failed "
+                      f"{row['failed']}, peak RSS {memory.peak_mb:.0f} MB", file=sys.stderr)
+    return {"max_tokens": max_tokens, "requests_per_client": requests, "rows": rows, "machine": machine_info(),
+            "rss_before_mb": rss_before}
 
 
 def _drive(url: str, prompts: list[str], references: dict[str, str], clients: int, max_tokens: int) -> dict:
@@ -118,17 +121,20 @@ def _drive(url: str, prompts: list[str], references: dict[str, str], clients: in
         done = []
         for prompt in own:
             sent = time.perf_counter()
-            first, text, usage = None, [], None
-            for chunk in client.chat.completions.create(
-                    model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-                    temperature=0, stream=True, stream_options={"include_usage": True}):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    first = first or time.perf_counter()
-                    text.append(chunk.choices[0].delta.content)
-                usage = chunk.usage or usage
+            first, text, usage, error = None, [], None, None
+            try:
+                for chunk in client.chat.completions.create(
+                        model=MODEL_NAME, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+                        temperature=0, stream=True, stream_options={"include_usage": True}):
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        first = first or time.perf_counter()
+                        text.append(chunk.choices[0].delta.content)
+                    usage = chunk.usage or usage
+            except openai.OpenAIError as failure:  # counted, not fatal: "no request fails" is what is measured
+                error = f"{type(failure).__name__}: {failure}"
             done.append({"ttft_s": (first or time.perf_counter()) - sent, "s": time.perf_counter() - sent,
-                         "tokens": usage.completion_tokens if usage else 0,
-                         "identical": "".join(text) == references[prompt]})
+                         "tokens": usage.completion_tokens if usage else 0, "error": error,
+                         "identical": error is None and "".join(text) == references[prompt]})
         return done
 
     started = time.perf_counter()
@@ -140,7 +146,34 @@ def _drive(url: str, prompts: list[str], references: dict[str, str], clients: in
             "ttft_median_s": statistics.median(r["ttft_s"] for r in results),
             "ttft_max_s": max(r["ttft_s"] for r in results),
             "latency_max_s": max(r["s"] for r in results),
-            "identical": sum(r["identical"] for r in results)}
+            "identical": sum(r["identical"] for r in results),
+            "failed": sum(r["error"] is not None for r in results),
+            "errors": sorted({r["error"] for r in results if r["error"]})}
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+class _PeakRss:
+    """The peak resident memory of this process while the block runs, sampled every 0.1 s in a thread."""
+
+    def __enter__(self) -> _PeakRss:
+        self.peak_mb, self._done = _rss_mb(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(0.1):
+            self.peak_mb = max(self.peak_mb, _rss_mb())
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, _rss_mb())
 
 
 class _Serving:
@@ -186,15 +219,20 @@ def report(results: dict) -> str:
              f"Command: `{results.get('command', 'specdec load')}`  ",
              f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores  ",
              f"Each client sends {results['requests_per_client']} greedy chat completions one after another "
-             f"(streaming, {results['max_tokens']} tokens at most); the two servers take turns at each client count.",
+             f"(streaming, {results['max_tokens']} tokens at most); the two servers take turns at each client count. "
+             f"Resident memory of the process before the first run: {results.get('rss_before_mb', 0):.0f} MB "
+             "(models loaded, each prompt's reference generated).",
              "", "| clients | server | tokens/s (all clients) | vs one at a time | median TTFT (s) | max TTFT (s) | "
-             "max latency (s) | identical to generate |", "|---|---|---|---|---|---|---|---|"]
+             "max latency (s) | identical to generate | failed | peak RSS (MB) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     single = {r["clients"]: r["tokens_per_s"] for r in rows if r["server"] == "one at a time"}
     for r in rows:
         lines.append(f"| {r['clients']} | {r['server']} | {r['tokens_per_s']:.1f} | "
                      f"{r['tokens_per_s'] / single[r['clients']]:.2f}x | {r['ttft_median_s']:.2f} | "
-                     f"{r['ttft_max_s']:.2f} | {r['latency_max_s']:.1f} | {r['identical']}/{r['requests']} |")
-    return "\n".join(lines) + "\n"
+                     f"{r['ttft_max_s']:.2f} | {r['latency_max_s']:.1f} | {r['identical']}/{r['requests']} | "
+                     f"{r.get('failed', 0)} | {r.get('peak_rss_mb', 0):.0f} |")
+    errors = sorted({e for r in rows for e in r.get("errors", [])})
+    return "\n".join(lines + (["", "Errors: " + "; ".join(errors)] if errors else [])) + "\n"
 
 
 def plot(results: dict, path: Path) -> None:
