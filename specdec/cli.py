@@ -8,6 +8,7 @@ import sys
 
 from specdec import bench, registry, server
 from specdec.options import add_generation_args, generator_from_args
+from specdec.runtimes import LLAMA_CPP
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
 
@@ -73,7 +74,7 @@ def _plain_llama_cpp(gen, args, settings: dict) -> float | None:
 
     from specdec.llama_peer import LlamaCppPythonPeer, plain_settings
 
-    if gen.runtime != "llama.cpp" or args.temperature > 0:
+    if gen.runtime is not LLAMA_CPP or args.temperature > 0:  # llama-cpp-python's loop: GGUF files, greedy
         return None
     prompt = gen.encode(args.prompt, args.chat)[0].tolist()
     peer = LlamaCppPythonPeer(str(gen.target.path), plain_settings(gen.target))

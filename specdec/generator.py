@@ -12,8 +12,9 @@ from specdec.drafters import CrossVocabDrafter, ModelDrafter, SuffixDrafter, Tar
 from specdec.drafters.choice import ChoosingDrafter, Costs
 from specdec.engine import Decoding, batch_cycle, speculative_decode
 from specdec.metrics import SpecStats
-from specdec.models import load_model, own_vocab_size, pick_runtime
-from specdec.runners import check_rollback_supported, context_length, new_runner
+from specdec.models import own_vocab_size
+from specdec.runners import new_runner
+from specdec.runtimes import Runtime, pick_runtime
 from specdec.sampling import SamplingConfig, make_generator
 
 
@@ -55,20 +56,22 @@ class SpeculativeGenerator:
     model given like the target. Loaded models are shared, never copied: pass `gen.target` to another generator.
 
     runtime: "torch" (transformers), "llama.cpp" (GGUF files on llama.cpp's kernels; needs llama-cpp-python), or
-    "auto": llama.cpp for GGUF models when it is installed, else torch. Target and draft model share the runtime.
+    "auto": llama.cpp for GGUF models when it is installed, else torch (or a specdec.runtimes.Runtime; `gen.runtime`
+    is the one chosen). Target and draft model share the runtime.
     threads: CPU threads (llama.cpp: per model; torch: sets torch's intra-op threads). Default: every core we have.
     """
 
     def __init__(self, target, draft=None, k: int | str = "auto", *, tokenizer=None, draft_tokenizer=None,
                  dtype: torch.dtype = torch.float32, target_quantization: str | None = None,
-                 draft_quantization: str | None = None, runtime: str = "auto", threads: int | None = None):
+                 draft_quantization: str | None = None, runtime: str | Runtime = "auto",
+                 threads: int | None = None):
         make_k_policy(k)  # refuse a bad k now rather than at the first request
         self.k = k
-        self.runtime = pick_runtime(runtime, target)
+        self.runtime = pick_runtime(runtime, target)  # a specdec.runtimes.Runtime
         self.target_quantization, self.draft_quantization = target_quantization, draft_quantization
-        self.target, self.tokenizer = load_model(target, tokenizer, runtime=self.runtime, dtype=dtype,
-                                                 quantization=target_quantization, threads=threads)
-        check_rollback_supported(self.target)
+        self.target, self.tokenizer = self.runtime.load(target, tokenizer, dtype=dtype,
+                                                        quantization=target_quantization, threads=threads)
+        self.runtime.check_rollback(self.target)
         prepare = getattr(self.target, "prepare_as_target", None)  # a runtime's one-off calibration, if it has one
         if prepare is not None:
             prepare()
@@ -169,9 +172,7 @@ class SpeculativeGenerator:
     @property
     def context_length(self) -> int:
         """Tokens the target's context holds (prompt and generated tokens together)."""
-        if self.runtime != "torch":
-            return self.target.max_length
-        return context_length(self.target.config)
+        return self.runtime.context_length(self.target)
 
     def _k_priors(self) -> dict:
         """Costs that a runtime measured when it loaded the models: a better start for k="auto" than the defaults,

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.runtimes import LLAMA_CPP
+
 PIN = "llama-cpp-python==0.3.36"
 INITIAL_CONTEXT = 2048  # tokens of KV cache allocated up front; grows by doubling (28 KB per token on the 1.5B)
 BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several), as llama-cpp-python's default n_batch
@@ -110,7 +112,7 @@ def default_threads() -> int:
 class LlamaCppModel:
     """A GGUF model loaded by llama.cpp: weights memory-mapped (shared by every runner), one context at a time."""
 
-    runtime = "llama.cpp"
+    runtime = LLAMA_CPP
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, kv_cache: str = DEFAULT_KV_CACHE,
                  repack: bool | str = "auto"):

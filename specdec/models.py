@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from specdec.runtimes import runtime_of
+
 
 class IncompatibleVocabulary(ValueError):
     """Target and drafter do not share a vocabulary, so q and p would not be over the same tokens."""
@@ -157,53 +159,8 @@ def load_causal_lm(spec, tokenizer=None, dtype: torch.dtype = torch.float32, qua
     return model, tokenizer
 
 
-RUNTIMES = ("torch", "llama.cpp")
-
-
-def pick_runtime(requested: str, spec) -> str:
-    """"auto" -> llama.cpp for a model it can read (registry name, .gguf file, loaded GGUF model) when it is
-    installed (faster on a CPU: see BENCHMARKS.md), else torch; an explicit name is checked and returned."""
-    if requested in RUNTIMES:
-        return requested
-    if requested != "auto":
-        raise ValueError(f"unknown runtime {requested!r}: choose auto, {' or '.join(RUNTIMES)}")
-    if runtime_of(spec) == "llama.cpp":
-        return "llama.cpp"
-    if isinstance(spec, PreTrainedModel):
-        return "torch"
-    from specdec import registry
-    from specdec.llamacpp import installed
-
-    readable = str(spec) in registry.MODELS or str(spec).endswith(".gguf")
-    return "llama.cpp" if readable and installed() else "torch"
-
-
-def runtime_of(model) -> str:
-    """The runtime a loaded model runs on ("torch" for transformers models)."""
-    return getattr(model, "runtime", "torch")
-
-
-def load_model(spec, tokenizer=None, *, runtime: str = "torch", dtype: torch.dtype = torch.float32,
-               quantization: str | None = None, threads: int | None = None):
-    """-> (model, tokenizer) on the given runtime: a transformers model (torch) or a LlamaCppModel (llama.cpp)."""
-    if runtime == "llama.cpp":
-        if quantization is not None:
-            raise ValueError("the llama.cpp runtime runs the GGUF file's own quantized weights; quantization "
-                             "options apply to the torch runtime")
-        from specdec import llamacpp
-
-        return llamacpp.load(spec, tokenizer, threads)
-    if runtime != "torch":
-        raise ValueError(f"unknown runtime {runtime!r}: choose {' or '.join(RUNTIMES)}")
-    if threads:
-        torch.set_num_threads(threads)
-    return load_causal_lm(spec, tokenizer, dtype, quantization)
-
-
 def model_vocab_size(model) -> int:
-    if runtime_of(model) != "torch":
-        return model.n_vocab
-    return model.get_output_embeddings().out_features  # also defined on quantized linear layers
+    return runtime_of(model).vocab_size(model)
 
 
 def shared_vocab_size(target, target_tokenizer, draft, draft_tokenizer) -> int:

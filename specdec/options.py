@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from specdec import registry
-from specdec.models import RUNTIMES, pick_runtime
+from specdec.runtimes import RUNTIMES, pick_runtime
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
@@ -43,8 +43,8 @@ def generator_from_args(args):
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     runtime = pick_runtime(args.runtime, args.target)
-    draft_quantization = {"auto": "int8" if runtime == "torch" else None, "none": None}.get(args.quantize_draft,
-                                                                                          args.quantize_draft)
+    draft_quantization = {"auto": runtime.default_draft_quantization, "none": None}.get(args.quantize_draft,
+                                                                                     args.quantize_draft)
     draft = None if args.draft == "none" else args.draft
     gen = SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
                                draft_quantization=draft_quantization, runtime=runtime, threads=args.threads)

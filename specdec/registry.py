@@ -39,6 +39,8 @@ from typing import Protocol
 
 from tqdm import tqdm
 
+from specdec.runtimes import RUNTIMES
+
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
@@ -586,7 +588,7 @@ def add_models_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     pull_parser = actions.add_parser("pull", help="install, verify and convert models into the cache")
     pull_parser.add_argument("names", nargs="+", metavar="NAME", help=f"one or more of: {', '.join(MODELS)}")
     pull_parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    pull_parser.add_argument("--runtime", choices=["torch", "llama.cpp"], default="torch",
+    pull_parser.add_argument("--runtime", choices=list(RUNTIMES), default="torch",
                              help="torch (default): also convert to an fp32 transformers checkpoint; llama.cpp: "
                                   "only install and verify the GGUF file, which that runtime reads as is")
     pull_parser.set_defaults(func=_cmd_pull)
@@ -615,10 +617,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
         return 2
     for name in dict.fromkeys(args.names):  # one at a time: each conversion needs several GB of RAM
         try:
-            if args.runtime == "llama.cpp":
-                print(gguf_file(name, progress=not args.quiet))
-            else:
-                print(pull(name, progress=not args.quiet))
+            print(RUNTIMES[args.runtime].pull(name, progress=not args.quiet))
         except RegistryError as error:
             print(f"error: {error}", file=sys.stderr)
             return 1

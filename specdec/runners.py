@@ -45,11 +45,9 @@ def check_rollback_supported(model) -> None:
     """Refuse up front a model whose KV cache cannot be cut back to an arbitrary length.
 
     Sliding-window and linear-attention layers drop or fold past states; rolling them back needs states they no
-    longer hold, so speculation over them would silently corrupt the context. (Models of other runtimes are checked
-    when they load.)
+    longer hold, so speculation over them would silently corrupt the context. For transformers models (the torch
+    runtime's check_rollback); llama.cpp checks the models it loads.
     """
-    if getattr(model, "runtime", "torch") != "torch":
-        return
     cache = DynamicCache(config=model.config)
     unsupported = sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
     if unsupported:

@@ -95,7 +95,7 @@ def test_report_rerenders_from_the_json_without_models(smoke, tmp_path, monkeypa
         raise AssertionError("--report must not load a model")
 
     monkeypatch.setattr("specdec.models.load_causal_lm", no_models)
-    monkeypatch.setattr("specdec.generator.load_model", no_models)
+    monkeypatch.setattr("specdec.runtimes.LlamaCppRuntime.load", no_models)
     assert main(["bench", "--report", str(tmp_path / "saved.json")]) == 0
     text = (tmp_path / "report.md").read_text()
     assert "## Temperature 0 (greedy)" in text and "## Predicted vs measured speed-up" in text

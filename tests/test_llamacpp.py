@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdec import SpeculativeGenerator, registry
-from specdec.models import pick_runtime
+from specdec.runtimes import LLAMA_CPP, TORCH, pick_runtime, runtime_of
 
 pytestmark = pytest.mark.real_model  # a real GGUF file on llama.cpp's kernels: not part of `make test-fast`
 
@@ -56,12 +56,20 @@ def ids_of(tokenizer, text: str) -> torch.Tensor:
 
 
 def test_registry_name_and_gguf_file_pick_llama_cpp_when_installed(gguf_path, tmp_path):
-    assert pick_runtime("auto", SMOLLM) == "llama.cpp"
-    assert pick_runtime("auto", gguf_path) == "llama.cpp"
-    assert pick_runtime("auto", str(tmp_path)) == "torch"  # a transformers directory
-    assert pick_runtime("torch", SMOLLM) == "torch"
-    with pytest.raises(ValueError, match="unknown runtime"):
+    assert pick_runtime("auto", SMOLLM) is LLAMA_CPP
+    assert pick_runtime("auto", gguf_path) is LLAMA_CPP
+    assert pick_runtime("auto", str(tmp_path)) is TORCH  # a transformers directory
+    assert pick_runtime("torch", SMOLLM) is TORCH and pick_runtime(LLAMA_CPP, SMOLLM) is LLAMA_CPP
+    with pytest.raises(ValueError, match="unknown runtime 'tensorrt': choose auto, torch or llama.cpp"):
         pick_runtime("tensorrt", SMOLLM)
+
+
+def test_a_loaded_model_knows_its_runtime_and_what_it_can_do(model):
+    target, _ = model
+    assert runtime_of(target) is LLAMA_CPP and pick_runtime("auto", target) is LLAMA_CPP
+    assert LLAMA_CPP.vocab_size(target) == target.n_vocab and LLAMA_CPP.context_length(target) == target.max_length
+    assert not LLAMA_CPP.early_exit and TORCH.early_exit
+    assert LLAMA_CPP.describe(target)["file"] == str(target.path)
 
 
 def test_forward_returns_logits_of_each_new_token_and_the_last_only(model):

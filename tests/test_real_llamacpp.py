@@ -10,6 +10,7 @@ import os
 import pytest
 
 from specdec import SpeculativeGenerator, registry
+from specdec.runtimes import LLAMA_CPP, runtime_of
 from test_real_models import human_eval_prompts
 
 pytestmark = pytest.mark.real_model
@@ -86,7 +87,7 @@ def test_a_draft_with_another_tokenizer_keeps_greedy_output_identical(pair, refe
 
 def test_the_pair_runs_in_a_fraction_of_the_fp32_memory(pair):
     speculative, _ = pair
-    assert speculative.runtime == "llama.cpp" and speculative.draft.runtime == "llama.cpp"
+    assert speculative.runtime is LLAMA_CPP and runtime_of(speculative.draft) is LLAMA_CPP
     # The registry's Q4_K_M files themselves (sha256-verified), not fp32 copies.
     assert speculative.target.path == registry.gguf_file(registry.DEFAULT_TARGET, progress=False)
     assert speculative.draft.path == registry.gguf_file(registry.DEFAULT_DRAFT, progress=False)

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specdec.options import add_generation_args, generator_from_args
+from specdec.runtimes import runtime_of
 
 DEFAULT_OUT = "bench-results"
 
@@ -175,12 +176,12 @@ def _prepare(args, preset, candidates, results: dict):
 
     print(f"loading {args.target} and {args.draft} ...", file=sys.stderr)
     gen = generator_from_args(args)
-    results["settings"].update(runtime=gen.runtime, quantize_draft=gen.draft_quantization or "none")
-    if gen.runtime != "torch":
+    results["settings"].update(runtime=gen.runtime.name, quantize_draft=gen.draft_quantization or "none")
+    if getattr(gen.target, "threads", None):  # a runtime with threads of its own (llama.cpp): not torch's
         results["machine"]["compute_threads"] = gen.target.threads  # what the CPU share is measured against
     results["memory"]["after_load_mb"] = peak_rss_mb()
-    results["models"] = {role: _model_info(model) for role, model in (("target", gen.target), ("draft", gen.draft))
-                         if model is not None}
+    results["models"] = {role: runtime_of(model).describe(model)
+                         for role, model in (("target", gen.target), ("draft", gen.draft)) if model is not None}
     chat = not args.no_chat and getattr(gen.tokenizer, "chat_template", None) is not None
     results["settings"]["chat"] = chat
     units = _units(gen, candidates, preset, chat)
@@ -188,8 +189,9 @@ def _prepare(args, preset, candidates, results: dict):
         raise ValueError(f"no prompt fits in {preset.max_prompt_tokens} tokens: raise --max-prompt-tokens")
     results["workloads"] = [{"index": u.index, "task": u.prompt.task, "source": u.prompt.source,
                              "prompt_tokens": int(u.ids.shape[1]), "text": u.prompt.text} for u in units]
-    # Plain llama.cpp on the same file is the baseline of every llama.cpp run, whatever the preset lists.
-    always = ("llama-generate",) if gen.runtime == "llama.cpp" else ()
+    # The runtime's plain decoder (llama.cpp's own loop on the same file) is the baseline of every run on it, whatever
+    # the preset lists.
+    always = (gen.runtime.baseline_peer,) if gen.runtime.baseline_peer else ()
     greedy, skipped = build_methods(preset.greedy + always, gen, args.k)
     sampled, skipped_sampled = build_methods(preset.sampled, gen, args.k)
     results["skipped"] = {**skipped, **skipped_sampled}
@@ -229,14 +231,6 @@ def _finish(results: dict, out_dir: Path, path: Path) -> int:
     print("\n".join(report.results_table(report.summarise(results), 0.0)))
     print(f"\nresults: {path}\nreport:  {markdown} ({results['wall_s']:.0f} s)")
     return 0
-
-
-def _model_info(model) -> dict:
-    if getattr(model, "runtime", "torch") != "torch":
-        return {"class": type(model).__name__, "file": str(model.path), "file_bytes": model.path.stat().st_size,
-                "threads": model.threads, "kv_cache": model.kv_cache, "repacked_layouts": model.repack}
-    return {"class": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
-            "layers": model.config.get_text_config().num_hidden_layers, "dtype": str(model.dtype)}
 
 
 def _units(gen, candidates, preset, chat: bool) -> list:

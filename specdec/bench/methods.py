@@ -24,6 +24,7 @@ from specdec import adaptive
 from specdec.drafters import DRAFTERS, TargetInfo, model_drafter
 from specdec.generator import SpeculativeGenerator
 from specdec.metrics import SpecStats
+from specdec.runtimes import RUNTIMES
 
 
 class MethodUnavailable(Exception):
@@ -134,7 +135,7 @@ class LlamaCppPython(Method):
         self.peer.close()
 
 
-PEERS = ("hf-generate", "hf-assisted", "hf-lookup", "llama-generate", "llama-lookup")
+PEERS = tuple(peer for runtime in RUNTIMES.values() for peer in runtime.peers)
 LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens, the value transformers' docs suggest
 
 
@@ -201,12 +202,11 @@ def _sibling(gen: SpeculativeGenerator, drafter, k: int | str = "auto") -> Specu
 
 
 def _peer(name: str, gen: SpeculativeGenerator) -> Method:
+    if name not in gen.runtime.peers:
+        home = next(runtime for runtime in RUNTIMES.values() if name in runtime.peers)
+        raise MethodUnavailable(f"{name} ({home.peers[name]}) runs on the {home.name} runtime (--runtime {home.name})")
     if name.startswith("llama-"):
-        if gen.runtime != "llama.cpp":
-            raise MethodUnavailable("llama-cpp-python's peers run on the llama.cpp runtime (--runtime llama.cpp)")
         return LlamaCppPython(name, gen.target, gen.eos_ids, LOOKUP_TOKENS if name == "llama-lookup" else None)
-    if gen.runtime != "torch":
-        raise MethodUnavailable("transformers' generate runs on the torch runtime (--runtime torch)")
     if name == "hf-generate":
         return Transformers(name, gen.target, gen.eos_ids)
     if name == "hf-lookup":

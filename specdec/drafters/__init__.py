@@ -10,9 +10,9 @@ import torch
 from specdec.drafters.base import Drafter, NoDrafter, Proposal
 from specdec.drafters.cross_vocab import CrossVocabDrafter, Vocabularies
 from specdec.drafters.model import ModelDrafter
-from specdec.models import (IncompatibleVocabulary, load_model, own_vocab_size, shared_vocab_size,
-                            vocabulary_difference)
-from specdec.runners import check_rollback_supported, new_runner
+from specdec.models import IncompatibleVocabulary, own_vocab_size, shared_vocab_size, vocabulary_difference
+from specdec.runners import new_runner
+from specdec.runtimes import TORCH, Runtime, runtime_of
 
 
 @dataclass(frozen=True)
@@ -23,15 +23,14 @@ class TargetInfo:
     vocab_size: int
     dtype: torch.dtype
     draft_quantization: str | None = None  # applied to a draft model that a drafter loads (see models.QUANTIZATIONS)
-    runtime: str = "torch"  # a draft model loads on the target's runtime ("torch" or "llama.cpp")
+    runtime: Runtime = TORCH  # a draft model loads on the target's runtime
     threads: int | None = None
 
     def load_draft(self, spec, tokenizer=None):
         """A draft model given like the target (path, .gguf, registry name) -> (model, tokenizer), on this runtime."""
         # A draft only proposes, so "int8" takes torch's cheaper per-pass int8 (see models.QUANTIZATIONS).
         quantization = "int8-per-pass" if self.draft_quantization == "int8" else self.draft_quantization
-        return load_model(spec, tokenizer, runtime=self.runtime, dtype=self.dtype, quantization=quantization,
-                          threads=self.threads)
+        return self.runtime.load(spec, tokenizer, dtype=self.dtype, quantization=quantization, threads=self.threads)
 
 
 # name -> factory(target, argument after the colon or None) -> (drafter, draft model or None)
@@ -53,7 +52,7 @@ def _no_drafter(target: TargetInfo, arg: str | None):
 def model_drafter(draft_model, target: TargetInfo, draft_tokenizer=None) -> ModelDrafter:
     """A draft model behind the drafter protocol, checked for rollback support; one with a vocabulary of its own
     drafts across vocabularies (drafters.cross_vocab)."""
-    check_rollback_supported(draft_model)
+    runtime_of(draft_model).check_rollback(draft_model)
     vocab = _other_vocabulary(draft_model, target, draft_tokenizer)
     size = vocab.draft_size if vocab else shared_vocab_size(target.model, target.tokenizer, draft_model,
                                                             draft_tokenizer)
@@ -93,8 +92,8 @@ def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Draft
     return model_drafter(draft_model, target, draft_tokenizer), draft_model
 
 
-__all__ = ["DRAFTERS", "CrossVocabDrafter", "Drafter", "ModelDrafter", "NoDrafter", "Proposal", "TargetInfo", "build_drafter",
-           "model_drafter", "register"]
+__all__ = ["DRAFTERS", "CrossVocabDrafter", "Drafter", "ModelDrafter", "NoDrafter", "Proposal", "TargetInfo",
+           "build_drafter", "model_drafter", "register"]
 
 # Imported last: each module registers its drafters with `register`, defined above.
 from specdec.drafters.early_exit import EarlyExitRunner, early_exit_drafter  # noqa: E402

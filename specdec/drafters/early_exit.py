@@ -82,9 +82,9 @@ def early_exit_drafter(model, n_layers: int, vocab_size: int) -> ModelDrafter:
 @register("self")
 def _self(target: TargetInfo, arg: str | None):
     """`self:N` (the target's first N layers draft) or `self` (all but the last eighth of them)."""
-    if target.runtime != "torch":
-        raise ValueError(f"self-speculation is not supported on the {target.runtime} runtime (it cannot stop a pass "
-                         "after N layers): use --runtime torch, or draft with a model, ngram or hybrid")
+    if not target.runtime.early_exit:
+        raise ValueError(f"self-speculation is not supported on the {target.runtime.name} runtime (it cannot stop a "
+                         "pass after N layers): use --runtime torch, or draft with a model, ngram or hybrid")
     n_layers = (parse_positive_int(arg, "self:N (the number of layers)") if arg
                 else default_exit_layer(decoder_layer_count(target.model)))
     return early_exit_drafter(target.model, n_layers, target.vocab_size), None
