@@ -184,6 +184,8 @@ class CrossVocabDrafter(ModelDrafter):
         # incomplete last character waits for the next cycle.
         written = b"".join(self.vocab.draft_bytes[i] or b"" for i in ids)
         tokens = self.vocab.target_ids(codecs.getincrementaldecoder("utf-8")("replace").decode(written))[:k]
+        # (a tokenizer may hold added tokens beyond the target's output layer: the proposal stops before one)
+        tokens = tokens[: next((i for i, t in enumerate(tokens) if t >= self.vocab.target_size), len(tokens))]
         counts = {"cross_vocab_draft_tokens": k, "cross_vocab_target_tokens": len(tokens),
                   "cross_vocab_unshared": int((~self.vocab.shared[draft[0]]).sum())}
         return Proposal(torch.tensor([tokens], dtype=torch.long), None, forward_calls=k, counts=counts)
