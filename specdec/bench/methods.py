@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec import adaptive
-from specdec.drafters import DRAFTERS, TargetInfo, model_drafter
+from specdec.drafters import DRAFTERS, ModelDrafter
 from specdec.generator import SpeculativeGenerator
 from specdec.metrics import SpecStats
 from specdec.runtimes import RUNTIMES
@@ -164,7 +164,7 @@ def build_method(spec: str, gen: SpeculativeGenerator, default_k: int | str = 4)
         if gen.draft is None and gen.drafter.name == "none":
             raise MethodUnavailable("no draft given (--draft none)")
         # draft@auto is gen's own drafter (with a draft model: the per-cycle choice); draft@K the draft model alone.
-        drafter = gen.drafter if k == "auto" else getattr(gen.drafter, "model_drafter", None) or gen.drafter
+        drafter = gen.drafter if k == "auto" else _alone(gen.drafter)
         return Ours(f"draft@{k}", _sibling(gen, drafter, k), k, gen.draft is not None)
     drafter_name, _, arg = name.partition(":")
     if drafter_name == "model":
@@ -174,7 +174,7 @@ def build_method(spec: str, gen: SpeculativeGenerator, default_k: int | str = 4)
             raise MethodUnavailable(f"draft model {arg!r}: {error}") from None
         # As draft@K: at a fixed k the draft model alone, at auto the per-cycle choice.
         if k != "auto":
-            other.drafter = getattr(other.drafter, "model_drafter", None) or other.drafter
+            other.drafter = _alone(other.drafter)
         return Ours(f"{name}@{k}", other, k, True, draft_model=arg)
     if drafter_name not in DRAFTERS:
         raise MethodUnavailable(f"no drafter {drafter_name!r} in specdec.drafters.DRAFTERS "
@@ -216,12 +216,18 @@ def _peer(name: str, gen: SpeculativeGenerator) -> Method:
     return Transformers(name, gen.target, gen.eos_ids, assistant_model=gen.draft)
 
 
+def _alone(drafter):
+    """The draft model's own drafter where `drafter` chooses among options per cycle (k="auto"), else drafter."""
+    return getattr(drafter, "model_drafter", None) or drafter
+
+
 def _shared_hybrid(gen: SpeculativeGenerator):
-    """Prompt lookup, else gen's draft model. The registered "hybrid" factory would load a second draft model."""
+    """Prompt lookup, else gen's own model drafter (the registered "hybrid" factory would load a second draft model;
+    rebuilding one here would lose a draft tokenizer of its own)."""
     from specdec.drafters.hybrid import HybridDrafter
     from specdec.drafters.ngram import NgramDrafter
 
-    if gen.draft is None:
+    model = _alone(gen.drafter)
+    if gen.draft is None or not isinstance(model, ModelDrafter):
         raise MethodUnavailable("hybrid needs a draft model to fall back on (--draft is not a model)")
-    info = TargetInfo(gen.target, gen.tokenizer, gen.vocab_size, torch.float32, runtime=gen.runtime)
-    return HybridDrafter(NgramDrafter(), model_drafter(gen.draft, info, gen.tokenizer))
+    return HybridDrafter(NgramDrafter(), model)
