@@ -43,6 +43,24 @@ def best_k(acceptance: float, draft_cost: float, verify_cost: Callable[[int], fl
     return max(range(k_min, k_max + 1), key=rate)
 
 
+class Acceptance:
+    """A drafter's acceptance rate: exponentially weighted accepted / tested draft tokens, with a prior worth
+    `weight` trials."""
+
+    def __init__(self, prior: float, weight: float, decay: float):
+        self.prior, self.weight, self.decay = prior, weight, decay
+        self.successes = self.trials = 0.0
+
+    def observe(self, n_drafted: int, n_accepted: int) -> None:
+        # Tested tokens: the accepted ones and the first rejected one (the ones after it were never checked).
+        self.successes = self.decay * self.successes + n_accepted
+        self.trials = self.decay * self.trials + n_accepted + (n_accepted < n_drafted)
+
+    @property
+    def rate(self) -> float:
+        return (self.successes + self.weight * self.prior) / (self.trials + self.weight)
+
+
 class _VerifyCost:
     """Seconds of one target pass as a line in its width w (draft tokens + 1): t(w) = t(1) + slope (w - 1).
 
@@ -119,16 +137,15 @@ class AdaptiveK:
         self.plain_cycles = 0  # consecutive cycles with k = 0
         self.speculative_cycles = 0
         self.k_max, self.decay, self.timed = k_max, decay, timed
-        self.prior_acceptance, self.prior_weight = prior_acceptance, prior_weight
         self.prior_draft_cost = prior_draft_cost
-        self.successes = self.trials = 0.0  # decayed accepted draft tokens / tested draft tokens
+        self.accepted = Acceptance(prior_acceptance, prior_weight, decay)
         self.draft_s = self.drafted = 0.0  # decayed draft seconds / drafted tokens
         self.cycles = 0
         self.verify_cost = _VerifyCost(decay, prior_verify_slope)
 
     @property
     def acceptance(self) -> float:
-        return (self.successes + self.prior_weight * self.prior_acceptance) / (self.trials + self.prior_weight)
+        return self.accepted.rate
 
     @property
     def draft_cost(self) -> float:
@@ -159,8 +176,7 @@ class AdaptiveK:
         d = self.decay
         self.cycles += 1
         if n_drafted > 0:
-            self.successes = d * self.successes + n_accepted
-            self.trials = d * self.trials + n_accepted + (n_accepted < n_drafted)
+            self.accepted.observe(n_drafted, n_accepted)
         if not self.timed:
             return
         # The first cycle's draft time includes the drafter's prefill of the whole prompt: not a per-token cost.

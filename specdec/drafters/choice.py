@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from specdec.adaptive import best_k, expected_tokens
+from specdec.adaptive import Acceptance, best_k, expected_tokens
 from specdec.drafters.base import Drafter, Proposal
 
 
@@ -30,23 +30,6 @@ class Costs:
     # One token fed to the draft model within a longer pass, as when it catches up with the context (the whole
     # prompt the first time it drafts in a request); None: a step per token, the cautious guess.
     draft_token: float | None = None
-
-
-class _Acceptance:
-    """Exponentially weighted accepted / tested draft tokens, with a prior worth `weight` trials."""
-
-    def __init__(self, prior: float, weight: float, decay: float):
-        self.prior, self.weight, self.decay = prior, weight, decay
-        self.successes = self.trials = 0.0
-
-    def observe(self, n_drafted: int, n_accepted: int) -> None:
-        # Tested tokens: the accepted ones and the first rejected one (the ones after it were never checked).
-        self.successes = self.decay * self.successes + n_accepted
-        self.trials = self.decay * self.trials + n_accepted + (n_accepted < n_drafted)
-
-    @property
-    def rate(self) -> float:
-        return (self.successes + self.weight * self.prior) / (self.trials + self.weight)
 
 
 class ChoosingDrafter(Drafter):
@@ -70,7 +53,7 @@ class ChoosingDrafter(Drafter):
             self.lookup.begin(prompt_ids)
             if self.model_drafter is not None:
                 self.model_drafter.begin(prompt_ids)
-        self.acceptance = {name: _Acceptance(*self.prior) for name in ("lookup", "model")}
+        self.acceptance = {name: Acceptance(*self.prior) for name in ("lookup", "model")}
         self.chosen: str | None = None  # what the target is verifying: "lookup", "model" or None
         self.regret = 0.0  # target steps lost to not drafting with a caught-up model (see the module's docstring)
 
