@@ -115,7 +115,7 @@ class LlamaCppModel:
     runtime = LLAMA_CPP
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, kv_cache: str = DEFAULT_KV_CACHE,
-                 repack: bool | str = "auto"):
+                 repack: bool | str = "auto", prefill_repack: bool | str | None = "auto"):
         lib = _lib()
         self.path = Path(path)
         if not self.path.is_file():
@@ -133,14 +133,20 @@ class LlamaCppModel:
         # loop crashed with them on an AMX Xeon. So "auto" measures, per CPU, and keeps the faster. (Without
         # specdec's kernel patch, native/, their multi-token kernels round differently from 4 tokens up; with it,
         # passes of up to 16 tokens reproduce one-token passes in either layout. The calibration checks, whichever.)
-        self.repack = choose_repack(self.path, self.threads) if repack == "auto" else repack
+        if prefill_repack not in (True, False, None, "auto"):
+            raise ValueError(f"prefill_repack must be True, False, None or 'auto', got {prefill_repack!r}")
+        layouts = choose_layouts(self.path, self.threads) if repack == "auto" else {}
+        self.repack = layouts.get("repack", repack)
+        if prefill_repack == "auto":  # the other layout only where it was measured faster for prompts
+            prefill_repack = layouts.get("prefill_repack", self.repack)
+            prefill_repack = None if prefill_repack == self.repack else prefill_repack
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         params.use_extra_bufts = self.repack
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {self.path}: not a GGUF language model it supports")
-        self._live_context = [None]  # what the finalizer frees with the model: the current context
+        self._live_context = [None, None]  # what the finalizer frees with the model: the current context, prefill's
         weakref.finalize(self, _free, lib, self._model, self._live_context)
         if lib.llama_model_is_recurrent(self._model) or lib.llama_model_is_hybrid(self._model):
             raise ValueError(f"{self.path.name} has recurrent layers, whose state cannot be rolled back; "
@@ -154,6 +160,12 @@ class LlamaCppModel:
         self._exact_widths: dict[int, int] | None = None
         self._batch_width: int | None = None
         self._slots: _Slots | None = None  # the batch context, created by the first new_batch_runner
+        # Prompts in the other weight layout where that is faster (measured per CPU: on an AVX-512 EPYC, llama.cpp's
+        # tiled kernels over the plain layout prefilled 192 tokens in 1.45 s, its repacked layout in 2.05 s, while
+        # one-token passes are faster repacked): the same weights, memory-mapped from the same file, loaded a second
+        # time; the prompt's KV cache is then copied into this model's context (PREFILL_MIN_TOKENS).
+        self.prefill_model = None if prefill_repack is None else LlamaCppModel(
+            self.path, self.threads, kv_cache, repack=prefill_repack, prefill_repack=None)
 
     @property
     def costs(self) -> dict:
@@ -288,6 +300,24 @@ class LlamaCppModel:
         self._live_context[0] = new
         return new
 
+    def prefill(self, tokens: list[int], wanted: list[bool], n_seq: int = 1, seq: int = 0
+                ) -> tuple[list[np.ndarray], bytes]:
+        """Evaluate a new sequence's first tokens as sequence `seq` of a context of n_seq sequences (the shape of the
+        context the sequence continues in: llama.cpp restores a sequence only into one of the same shape) -> (the
+        wanted logits rows, the sequence's KV cache, for another model of these weights to load: load_state)."""
+        context = self._live_context[1]
+        size = -(-len(tokens) // PREFILL_MIN_TOKENS) * PREFILL_MIN_TOKENS
+        if context is None or context.n_seq != n_seq or context.size < len(tokens):
+            if context is not None:
+                context.free()
+            context = self._live_context[1] = _Context(self, size, n_seq=n_seq)
+        context.clear()
+        rows = []
+        for start in range(0, len(tokens), BATCH):
+            rows += _evaluate(context, [(seq, start + i, token, want) for i, (token, want) in enumerate(
+                zip(tokens[start:start + BATCH], wanted[start:start + BATCH]))], self.n_vocab)
+        return rows, context.save_state(seq)
+
     def __repr__(self) -> str:
         return f"LlamaCppModel({str(self.path)!r}, threads={self.threads})"
 
@@ -342,57 +372,73 @@ def _kernels_id() -> str:
     return hashlib.sha256(libraries[0].read_bytes()).hexdigest()[:16] if libraries else ""
 
 
-LAYOUT_TIMING_TIMEOUT_S = 600  # loading a model twice and 20 one-token passes: seconds, even for a 7B on 2 cores
+LAYOUT_TIMING_TIMEOUT_S = 600  # loading a model twice, 20 one-token passes and 6 prompts: seconds, even for a 7B
+PREFILL_PROBE_TOKENS = 128  # a typical chat prompt, for timing prefills in each layout
+# A new sequence's first pass of at least this many tokens (a prompt) runs in the prefill layout where that differs;
+# shorter ones stay where they are (the layouts were within a few percent of each other at 32 tokens).
+PREFILL_MIN_TOKENS = 32
 
 
-def choose_repack(path: Path, threads: int) -> bool:
-    """Whether llama.cpp's repacked weight layouts give faster one-token passes of this file on this CPU (by 3% or
-    more): measured once, in a worker process, since they crashed llama.cpp on an AMX Xeon (a crash there says no),
-    then cached."""
-    return _cached_json(Path(path), "layouts", str(threads), lambda: _measure_repack(path, threads),
-                        {"threads": threads})["repack"]
+def choose_layouts(path: Path, threads: int) -> dict:
+    """Which of llama.cpp's weight layouts, plain or repacked for the CPU, give this file on this CPU the faster
+    one-token passes ("repack": by 3% or more) and the faster prompts ("prefill_repack"): measured once, in a worker
+    process, since the repacked layouts crashed llama.cpp on an AMX Xeon (a crash there says plain for both), then
+    cached."""
+    found = _cached_json(Path(path), "layouts", f"{threads}|prefill", lambda: _measure_layouts(path, threads),
+                         {"threads": threads})
+    return {"repack": found["repack"], "prefill_repack": found.get("prefill_repack", found["repack"])}
 
 
-def _measure_repack(path: Path, threads: int) -> dict:
-    import multiprocessing
+def _measure_layouts(path: Path, threads: int) -> dict:
+    import json
+    import subprocess
 
     if sys.stderr.isatty():
         print(f"timing llama.cpp's weight layouts for {Path(path).name} on this CPU (once) ...", file=sys.stderr)
-
-    spawn = multiprocessing.get_context("spawn")  # no fork: this process may hold llama.cpp's and torch's threads
-    receive, send = spawn.Pipe(duplex=False)
-    worker = spawn.Process(target=_time_layouts, args=(send, str(path), threads), daemon=True)
-    worker.start()
-    send.close()
+    # A fresh interpreter, not a multiprocessing worker: that would re-run the caller's script (a script without a
+    # __main__ guard would start over in it), and it must not inherit this process's llama.cpp and torch threads.
+    code = "import sys; from specdec.llamacpp import _time_layouts; _time_layouts(sys.argv[1], int(sys.argv[2]))"
     try:
-        if not receive.poll(LAYOUT_TIMING_TIMEOUT_S):
-            worker.kill()  # hung: as good as a crash
-        plain_s, repacked_s = receive.recv()
-    except EOFError:  # the worker died: with the repacked layouts, or at all
-        worker.join(timeout=10)
-        return {"repack": False, "worker_exit_code": worker.exitcode}
-    worker.join(timeout=10)
-    return {"repack": repacked_s < 0.97 * plain_s, "one_token_s": {"plain": plain_s, "repacked": repacked_s}}
+        worker = subprocess.run([sys.executable, "-c", code, str(path), str(threads)], capture_output=True,
+                                text=True, timeout=LAYOUT_TIMING_TIMEOUT_S)
+        exit_code = worker.returncode
+        (plain_s, repacked_s), (plain_prefill_s, repacked_prefill_s) = json.loads(worker.stdout.splitlines()[-1])
+    except subprocess.TimeoutExpired:  # hung: as good as a crash
+        exit_code = "timeout"
+    except (ValueError, IndexError):  # the worker died: with the repacked layouts, or at all
+        pass
+    else:
+        return {"repack": repacked_s < 0.97 * plain_s, "prefill_repack": repacked_prefill_s < 0.97 * plain_prefill_s,
+                "one_token_s": {"plain": plain_s, "repacked": repacked_s},
+                "prefill_s": {"tokens": PREFILL_PROBE_TOKENS, "plain": plain_prefill_s, "repacked": repacked_prefill_s}}
+    return {"repack": False, "prefill_repack": False, "worker_exit_code": exit_code}
 
 
-def _time_layouts(connection, path: str, threads: int) -> None:
-    """In the worker: median seconds of a one-token pass after 16 tokens, plain and repacked layouts interleaved."""
+def _time_layouts(path: str, threads: int) -> None:
+    """In the worker: median seconds of a one-token pass after 16 tokens and of a PREFILL_PROBE_TOKENS prompt, plain
+    and repacked layouts interleaved, printed as JSON."""
+    import json
     import statistics
     import time
 
-    models = [LlamaCppModel(path, threads, repack=repack) for repack in (False, True)]
-    tokens = _probe_tokens(models[0], 17)
-    runners = [LlamaCppRunner(model, model.n_vocab, private_context=17) for model in models]
-    seconds = [[], []]
-    for runner in runners:
-        runner.forward(tokens[:, :16], last_only=True)
-    for _ in range(9):
-        for runner, times in zip(runners, seconds):
+    models = [LlamaCppModel(path, threads, repack=repack, prefill_repack=None) for repack in (False, True)]
+    tokens = _probe_tokens(models[0], PREFILL_PROBE_TOKENS)
+    runners = [LlamaCppRunner(model, model.n_vocab, private_context=PREFILL_PROBE_TOKENS) for model in models]
+    one_token, prefill = [[], []], [[], []]
+    for _ in range(3):
+        for runner, times in zip(runners, prefill):
+            runner.rollback(0)
             started = time.perf_counter()
-            runner.forward(tokens[:, 16:])
+            runner.forward(tokens, last_only=True)
             times.append(time.perf_counter() - started)
+    for _ in range(9):
+        for runner, times in zip(runners, one_token):
             runner.rollback(16)
-    connection.send(tuple(statistics.median(times[1:]) for times in seconds))
+            started = time.perf_counter()
+            runner.forward(tokens[:, 16:17])
+            times.append(time.perf_counter() - started)
+    print(json.dumps([[statistics.median(times[1:]) for times in one_token],
+                      [statistics.median(times) for times in prefill]]))
 
 
 def _probe_tokens(model: LlamaCppModel, n: int) -> torch.Tensor:
@@ -530,8 +576,9 @@ class _Slots:
 
 
 def _free(lib, model, context_box) -> None:
-    if context_box[0] is not None:
-        context_box[0].free()
+    for context in context_box:
+        if context is not None:
+            context.free()
     lib.llama_model_free(model)
 
 
@@ -553,6 +600,7 @@ class _Context:
         self.ctx = lib.llama_init_from_model(model._model, params)
         if not self.ctx:
             raise MemoryError(f"llama.cpp could not allocate a context of {size} tokens for {model.path.name}")
+        self.n_seq = n_seq
         self.size = lib.llama_n_ctx(self.ctx) // n_seq  # tokens per sequence
         self.memory = lib.llama_get_memory(self.ctx)
         self.batch = lib.llama_batch_init(BATCH, 0, 1)
@@ -561,16 +609,19 @@ class _Context:
     def clear(self) -> None:
         self.lib.llama_memory_clear(self.memory, True)
 
-    def save_state(self) -> bytes:
-        size = self.lib.llama_state_seq_get_size(self.ctx, 0)
+    def save_state(self, seq: int = 0) -> bytes:
+        """Sequence seq's KV cache, as bytes that load_state can put into a context of a model of the same weights."""
+        size = self.lib.llama_state_seq_get_size(self.ctx, seq)
         buffer = (ctypes.c_uint8 * size)()
-        written = self.lib.llama_state_seq_get_data(self.ctx, buffer, size, 0)
+        written = self.lib.llama_state_seq_get_data(self.ctx, buffer, size, seq)
         return bytes(buffer[:written])
 
-    def load_state(self, state: bytes) -> None:
+    def load_state(self, state: bytes, seq: int = 0) -> None:
+        """Make sequence seq (empty) hold the KV cache that save_state gave."""
         buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
-        if self.lib.llama_state_seq_set_data(self.ctx, buffer, len(state), 0) != len(state):
-            raise RuntimeError("llama.cpp could not restore a sequence into a bigger context")
+        if self.lib.llama_state_seq_set_data(self.ctx, buffer, len(state), seq) != len(state):
+            raise RuntimeError(f"llama.cpp could not restore a sequence's cache ({len(state)} bytes) into sequence "
+                               f"{seq} of a context of {self.size} tokens")
 
     def free(self) -> None:
         if self.ctx:
@@ -620,14 +671,25 @@ class LlamaCppRunner:
         tokens = input_ids[0].tolist()
         if not tokens:
             raise ValueError("forward needs at least one token")
+        wanted = [not last_only or i == len(tokens) - 1 for i in range(len(tokens))]
+        elsewhere = self.model.prefill_model
+        if elsewhere is not None and self._length == 0 and len(tokens) >= PREFILL_MIN_TOKENS:
+            context = self._own_context(len(tokens))
+            rows, state = elsewhere.prefill(tokens, wanted, context.n_seq, self.seq)
+            context.load_state(state, self.seq)
+            self._length = len(tokens)
+        else:
+            rows = self._run(tokens, wanted)
+        logits = torch.from_numpy(np.stack(rows))[None]  # [1, rows, n_vocab]
+        return logits[..., : self.vocab_size]
+
+    def _run(self, tokens: list[int], wanted: list[bool]) -> list[np.ndarray]:
+        """Evaluate tokens after this sequence's cached ones, in passes of at most BATCH -> the wanted logits rows."""
         context = self._own_context(self._length + len(tokens))
         rows = []
         for start in range(0, len(tokens), BATCH):
-            chunk = tokens[start:start + BATCH]
-            wanted = [not last_only or start + i == len(tokens) - 1 for i in range(len(chunk))]
-            rows += self._decode(context, chunk, wanted)
-        logits = torch.from_numpy(np.stack(rows))[None]  # [1, rows, n_vocab]
-        return logits[..., : self.vocab_size]
+            rows += self._decode(context, tokens[start:start + BATCH], wanted[start:start + BATCH])
+        return rows
 
     def _decode(self, context: _Context, tokens: list[int], wanted: list[bool]) -> list[np.ndarray]:
         rows = _evaluate(context, [(self.seq, self._length + i, token, want)

@@ -140,7 +140,8 @@ class LlamaCppRuntime(Runtime):
 
     def describe(self, model) -> dict:
         return {"class": type(model).__name__, "file": str(model.path), "file_bytes": model.path.stat().st_size,
-                "threads": model.threads, "kv_cache": model.kv_cache, "repacked_layouts": model.repack}
+                "threads": model.threads, "kv_cache": model.kv_cache, "repacked_layouts": model.repack,
+                "prompts_repacked": model.repack if model.prefill_model is None else model.prefill_model.repack}
 
 
 TORCH, LLAMA_CPP = TorchRuntime(), LlamaCppRuntime()

@@ -432,15 +432,54 @@ def test_auto_with_a_draft_model_chooses_per_cycle_and_a_seed_fixes_the_sample(m
     assert len(samples) == 1
 
 
-def test_repacked_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(gguf_path, tmp_path):
+def test_weight_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(gguf_path, tmp_path):
     from specdec import llamacpp
 
-    choice = llamacpp.choose_repack(Path(gguf_path), 1)
-    assert isinstance(choice, bool) and llamacpp.LlamaCppModel(gguf_path, threads=1).repack == choice
+    choice = llamacpp.choose_layouts(Path(gguf_path), 1)
+    assert set(choice) == {"repack", "prefill_repack"} and all(isinstance(v, bool) for v in choice.values())
+    loaded = llamacpp.LlamaCppModel(gguf_path, threads=1)
+    assert loaded.repack == choice["repack"]
+    if choice["prefill_repack"] == choice["repack"]:
+        assert loaded.prefill_model is None
+    else:
+        assert loaded.prefill_model.repack == choice["prefill_repack"] and loaded.prefill_model.prefill_model is None
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
-    assert llamacpp._measure_repack(bad, 1) == {"repack": False, "worker_exit_code": 1}
+    assert llamacpp._measure_layouts(bad, 1) == {"repack": False, "prefill_repack": False, "worker_exit_code": 1}
 
+
+
+def test_a_prompt_prefilled_by_a_second_model_continues_as_if_prefilled_here(gguf_path, model, monkeypatch):
+    """A prompt evaluated in another loaded copy of the weights (the faster layout for prompts, where the calibration
+    finds one) and its KV cache copied over: every later logit equals that of a prompt evaluated here, in a runner of
+    its own and in a batch slot alike. Both copies take the same layout here, so any difference is the hand-over's."""
+    from specdec import llamacpp
+
+    target, tokenizer = model
+    handed = llamacpp.LlamaCppModel(gguf_path, threads=1, repack=target.repack, prefill_repack=target.repack)
+    here = llamacpp.LlamaCppModel(gguf_path, threads=1, repack=target.repack, prefill_repack=None)
+    prefills = []
+    monkeypatch.setattr(handed.prefill_model, "prefill",
+                        lambda *args, _prefill=handed.prefill_model.prefill: prefills.append(1) or _prefill(*args))
+    ids = long_text_ids(tokenizer, 80)
+    prompt, after = ids[:, :llamacpp.PREFILL_MIN_TOKENS + 20], ids[:, llamacpp.PREFILL_MIN_TOKENS + 20:]
+    expected_runner = here.new_runner(here.n_vocab)
+    expected = [expected_runner.forward(prompt, last_only=True)] + [expected_runner.forward(after[:, i:i + 1])
+                                                                     for i in range(4)]
+    expected.append(expected_runner.forward(after[:, 4:12]))  # and a verify-sized pass
+    for runner in (handed.new_runner(handed.n_vocab), handed.new_batch_runner(handed.n_vocab)):
+        got = [runner.forward(prompt, last_only=True)] + [runner.forward(after[:, i:i + 1]) for i in range(4)]
+        got.append(runner.forward(after[:, 4:12]))
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
+        runner.close()
+    assert len(prefills) == 2  # both prompts went to the second copy
+    short = handed.new_runner(handed.n_vocab)
+    short.forward(prompt[:, :llamacpp.PREFILL_MIN_TOKENS - 1])
+    assert len(prefills) == 2  # a short first pass stays where it is
+    gen, alone = (SpeculativeGenerator(m, "suffix", tokenizer=tokenizer) for m in (handed, here))
+    prompts = [ids[:, :40], ids[:, 10:70], PROMPTS[0]]
+    assert ([out.token_ids for out in gen.generate_many(prompts, max_new_tokens=16)]
+            == [alone.generate(p, max_new_tokens=16).token_ids for p in prompts])
 
 # --- several sequences in one pass (generate_many) -------------------------------------------------------------------
 
