@@ -450,6 +450,21 @@ def test_load_generator_drives_both_servers_and_checks_every_answer(generator, t
         load._counts("1,x")
 
 
+def test_load_prompts_come_from_the_chosen_tasks_in_turn_and_unknown_tasks_are_refused(generator):
+    import argparse
+
+    from specdec.bench import load
+
+    prompts = load.load_prompts(generator, 5, ("maths", "code"), max_tokens=2000)
+    assert len(prompts) == 5 and prompts[0].startswith("Solve this maths") and prompts[1].startswith("Complete")
+    assert prompts[2].startswith("Solve this maths") and prompts[2] != prompts[0]
+    with pytest.raises(ValueError, match="no prompt of maths has at most 2 tokens"):
+        load.load_prompts(generator, 2, ("maths",), max_tokens=2)
+    args = argparse.Namespace(clients="1", requests=1, max_tokens=8, max_batch=4, tasks="maths,poetry")
+    with pytest.raises(ValueError, match="--tasks takes some of code, summarisation, maths"):
+        load.run_load_command(args)
+
+
 def test_load_generator_counts_failed_requests_and_goes_on(generator):
     """A request the server refuses (503: no room in its queue) is counted as failed with its reason; the other
     clients' answers are still checked."""

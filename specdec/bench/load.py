@@ -21,6 +21,7 @@ from specdec.bench.runner import machine_info, save
 from specdec.options import add_generation_args, generator_from_args
 
 DEFAULT_CLIENTS = "1,2,4,8,16"
+DEFAULT_TASKS = ("code", "summarisation")
 MODEL_NAME = "specdec-load"
 
 
@@ -36,6 +37,10 @@ def add_load_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--clients", default=DEFAULT_CLIENTS, help="client counts (default: %(default)s)")
     parser.add_argument("--requests", type=int, default=2, help="requests per client (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (default: %(default)s)")
+    parser.add_argument("--tasks", default=",".join(DEFAULT_TASKS),
+                        help="comma-separated packaged workloads whose prompts the clients send, in turn: code, "
+                             "summarisation (both copy from their input: lookup drafts pay), maths (it does not) "
+                             "(default: %(default)s)")
     parser.add_argument("--max-batch", type=int, default=8, help="the batched server's --max-batch (default: "
                                                                 "%(default)s)")
     parser.add_argument("--out", default="load-results", help="output folder (default: %(default)s)")
@@ -45,13 +50,20 @@ def add_load_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_load_command(args) -> int:
 
+    from specdec.bench.workloads import TASKS
+
     clients = _counts(args.clients)
     if args.requests < 1 or args.max_tokens < 1 or args.max_batch < 2:
         raise ValueError("--requests and --max-tokens must be >= 1, --max-batch >= 2")
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    unknown = [task for task in tasks if task not in TASKS]
+    if not tasks or unknown:
+        raise ValueError(f"--tasks takes some of {', '.join(TASKS)}, separated by commas; got {args.tasks!r}")
     generator = generator_from_args(args)
-    prompts = load_prompts(generator, max(clients) * args.requests)
+    prompts = load_prompts(generator, max(clients) * args.requests, tasks)
     results = run_load(generator, prompts, clients, args.requests, args.max_tokens, args.max_batch)
     results["command"] = "specdec " + " ".join(sys.argv[1:])
+    results["tasks"] = tasks
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save(results, out / "results.json")
@@ -72,17 +84,20 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
-def load_prompts(generator, count: int) -> list[str]:
-    """Real prompts, mixed: HumanEval code completions and XSum summaries, alternating (short enough for 2 cores)."""
-    from specdec.bench.workloads import load_humaneval, load_xsum, select
+def load_prompts(generator, count: int, tasks=DEFAULT_TASKS, max_tokens: int = 160) -> list[str]:
+    """`count` real prompts of the packaged workloads' tasks, taken in turn: each task's first prompts of at most
+    max_tokens tokens (short enough for 2 cores)."""
+    from specdec.bench.workloads import TASKS, select
 
     def n_tokens(prompt):
         return len(generator.tokenizer(prompt.text)["input_ids"])
 
-    half = (count + 1) // 2
-    code = select(load_humaneval(), half, n_tokens, 160)
-    prose = select(load_xsum(), half, n_tokens, 160)
-    mixed = [p.text for pair in zip(code, prose) for p in pair]
+    each = -(-count // len(tasks))
+    chosen = [select(TASKS[task].load(), each, n_tokens, max_tokens) for task in tasks]
+    if not all(chosen):
+        empty = [task for task, prompts in zip(tasks, chosen) if not prompts]
+        raise ValueError(f"no prompt of {', '.join(empty)} has at most {max_tokens} tokens")
+    mixed = [p.text for group in zip(*chosen) for p in group]
     return [mixed[i % len(mixed)] for i in range(count)]
 
 
@@ -218,6 +233,7 @@ def report(results: dict) -> str:
     lines = ["# specdec load test", "",
              f"Command: `{results.get('command', 'specdec load')}`  ",
              f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores  ",
+             f"Prompts: {', '.join(results.get('tasks', DEFAULT_TASKS))}, in turn  ",
              f"Each client sends {results['requests_per_client']} greedy chat completions one after another "
              f"(streaming, {results['max_tokens']} tokens at most); the two servers take turns at each client count. "
              f"Resident memory of the process before the first run: {results.get('rss_before_mb', 0):.0f} MB "
