@@ -131,12 +131,15 @@ def test_verify_passes_at_a_long_context_equal_one_token_passes(pair, long_promp
 
 def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(pair, long_prompt):
     """The same tokens as llama-cpp-python's `Llama.generate` with the same settings (cache type, flash attention,
-    weight layouts), short and long prompts."""
+    weight layouts, prompts evaluated in the same layout as the rest), short and long prompts."""
     from specdec import llamacpp
     from specdec.llama_peer import LlamaCppPythonPeer
 
-    speculative, baseline = pair
-    target = speculative.target
+    speculative, _ = pair
+    loaded = speculative.target
+    target = llamacpp.LlamaCppModel(loaded.path, loaded.threads, loaded.kv_cache, repack=loaded.repack,
+                                    prefill_repack=None)  # llama.cpp's loop has one layout for all
+    baseline = SpeculativeGenerator(target, None, tokenizer=speculative.tokenizer)
     cache = llamacpp.KV_CACHE_TYPES[target.kv_cache]
     peer = LlamaCppPythonPeer(str(target.path), dict(n_threads=target.threads, n_threads_batch=target.threads,
                                                      flash_attn=True, type_k=cache, type_v=cache), repack=target.repack)
