@@ -234,7 +234,7 @@ def report(results: dict) -> str:
              f"Command: `{results.get('command', 'specdec load')}`  ",
              f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores  ",
              f"Prompts: {', '.join(results.get('tasks', DEFAULT_TASKS))}, in turn  ",
-             f"Each client sends {results['requests_per_client']} greedy chat completions one after another "
+             f"Each client sends {results['requests_per_client']} greedy chat completion(s), one after another "
              f"(streaming, {results['max_tokens']} tokens at most); the two servers take turns at each client count. "
              f"Resident memory of the process before the first run: {results.get('rss_before_mb', 0):.0f} MB "
              "(models loaded, each prompt's reference generated).",
