@@ -306,17 +306,21 @@ class LlamaCppModel:
         context the sequence continues in: llama.cpp restores a sequence only into one of the same shape) -> (the
         wanted logits rows, the sequence's KV cache, for another model of these weights to load: load_state)."""
         context = self._live_context[1]
-        size = -(-len(tokens) // PREFILL_MIN_TOKENS) * PREFILL_MIN_TOKENS
         if context is None or context.n_seq != n_seq or context.size < len(tokens):
             if context is not None:
                 context.free()
+            size = max(256, 1 << (len(tokens) - 1).bit_length())  # a power of two: few reallocations
             context = self._live_context[1] = _Context(self, size, n_seq=n_seq)
         context.clear()
         rows = []
         for start in range(0, len(tokens), BATCH):
             rows += _evaluate(context, [(seq, start + i, token, want) for i, (token, want) in enumerate(
                 zip(tokens[start:start + BATCH], wanted[start:start + BATCH]))], self.n_vocab)
-        return rows, context.save_state(seq)
+        state = context.save_state(seq)
+        if context.size * n_seq > 2 * INITIAL_CONTEXT:  # a long prompt's cache is not kept around
+            context.free()
+            self._live_context[1] = None
+        return rows, state
 
     def __repr__(self) -> str:
         return f"LlamaCppModel({str(self.path)!r}, threads={self.threads})"

@@ -473,9 +473,14 @@ def test_a_prompt_prefilled_by_a_second_model_continues_as_if_prefilled_here(ggu
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
         runner.close()
     assert len(prefills) == 2  # both prompts went to the second copy
+    assert handed.prefill_model._live_context[1] is not None  # a short prompt's cache is kept for the next one
+    monkeypatch.setattr(llamacpp, "INITIAL_CONTEXT", 64)  # now a long one: its cache is freed after the copy
+    longer = handed.new_runner(handed.n_vocab)
+    assert torch.equal(longer.forward(prompt, last_only=True), expected[0])
+    assert handed.prefill_model._live_context[1] is None and len(prefills) == 3
     short = handed.new_runner(handed.n_vocab)
     short.forward(prompt[:, :llamacpp.PREFILL_MIN_TOKENS - 1])
-    assert len(prefills) == 2  # a short first pass stays where it is
+    assert len(prefills) == 3  # a short first pass stays where it is
     gen, alone = (SpeculativeGenerator(m, "suffix", tokenizer=tokenizer) for m in (handed, here))
     prompts = [ids[:, :40], ids[:, 10:70], PROMPTS[0]]
     assert ([out.token_ids for out in gen.generate_many(prompts, max_new_tokens=16)]
