@@ -218,6 +218,47 @@ def test_choosing_drafter_verifies_the_best_prefix_of_a_long_lookup_match(target
     assert stats.drafted_by_position[0] > stats.drafted_by_position[-1] > 0  # short at first, longer later
 
 
+class MatchingLookup(Drafter):
+    """A lookup that proposes the given tokens and says how long a suffix it matched (as SuffixDrafter does)."""
+
+    name = "suffix"
+
+    def __init__(self):
+        self.tokens, self.last_match = [], 0
+
+    def propose(self, context, k, sampling, generator) -> Proposal:
+        return Proposal(torch.tensor([self.tokens[:k]], dtype=torch.long))
+
+
+def test_choosing_drafter_judges_a_lookup_by_the_length_of_its_match():
+    """Where a verified token costs a third of a step, a guess after a one-token match (accepted about a fifth of the
+    time, measured) is not worth verifying, one after a long match is; and what each band of match lengths earns
+    stays its own. The negative control, one estimate for every lookup, verifies the one-token match too."""
+    from specdec.drafters import choice
+
+    moderate = Costs(verify=lambda width: 1.0 + 0.35 * (width - 1), draft_step=0.6)
+    context, generator = torch.tensor([[5, 6, 7, 8]]), make_generator(0)
+
+    def chosen(drafter, matched: int) -> int:
+        drafter.lookup.tokens, drafter.lookup.last_match = [9, 10, 11, 12], matched
+        return drafter.propose(context, 4, GREEDY, generator).tokens.shape[1]
+
+    drafter = ChoosingDrafter(MatchingLookup(), None, moderate)
+    assert chosen(drafter, 1) == 0 and chosen(drafter, 3) > 0 and chosen(drafter, 12) >= chosen(drafter, 3)
+    for _ in range(6):  # long matches keep proving right ...
+        n = chosen(drafter, 12)
+        drafter.accept(n, n)
+    assert chosen(drafter, 12) == 4 and chosen(drafter, 1) == 0  # ... which earns a one-token match nothing
+    for _ in range(6):  # two- and three-token matches keep failing: their band learns it, the long band does not
+        drafter.accept(chosen(drafter, 2), 0)
+    assert chosen(drafter, 2) == 0 and chosen(drafter, 12) == 4
+
+    one_estimate = ChoosingDrafter(MatchingLookup(), None, moderate)
+    one_estimate._lookup_estimate = lambda: "lookup"  # every match length judged alike, as before the bands
+    assert chosen(one_estimate, 1) > 0
+    assert choice.MATCH_BANDS[1] < 0.35 < min(prior for band, prior in choice.MATCH_BANDS.items() if band > 1)
+
+
 def test_choosing_drafter_is_capped_by_the_engines_k(target):
     drafter = chooser(target, FLAT)
     _, stats = decode(target, drafter, PROMPTS[2], 2)
