@@ -330,7 +330,7 @@ CALIBRATION_WIDTHS = range(2, 17)  # pass widths checked: up to 15 draft tokens,
 # Cached tokens before the checked passes: short; past the 512 cells where ggml's attention changes strategy for f16
 # caches; and a long context (prompts of a few pages). Beyond the longest, the engine verifies one token at a time.
 CALIBRATION_CONTEXTS = (16, 600, 4096)
-CALIBRATION_VERSION = 3  # bump when what is measured changes: older cached results are then measured again
+CALIBRATION_VERSION = 4  # bump when what is measured changes: older cached results are then measured again
 
 
 def _cached(model: LlamaCppModel, kind: str, measure) -> dict:
@@ -455,9 +455,11 @@ def _one_token_logits(runner: LlamaCppRunner, tokens: torch.Tensor) -> torch.Ten
 
 
 def measure_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats: int = 9) -> dict:
-    """Seconds of a pass over 1 token and over each width in widths after 16 cached tokens: medians of `repeats`
-    rounds, each round timing every width once (interleaved, so that a busy moment of a shared machine does not
-    fall on one width alone and skew the ratios that k="auto" and the per-cycle choice read)."""
+    """Seconds of a pass over 1 token and over each width in widths after 16 cached tokens. Each pass over w tokens is
+    timed right after a one-token pass, and what k="auto" and the per-cycle choice read is their ratio: the median of
+    `repeats` such pairs per width, times the median one-token pass. On a shared machine a busy moment then slows both
+    passes of a pair rather than one side of a ratio (a median of each width's times alone once gave V(2) = 1.23 where
+    interleaved probes found 1.38-1.47)."""
     import statistics
     import time
 
@@ -466,14 +468,20 @@ def measure_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats: int 
     runner = LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
     runner.forward(tokens[:, :prefix], last_only=True)
     runner.forward(tokens[:, prefix:prefix + 1])  # a first pass warms the caches
-    seconds = {width: [] for width in (1, *widths)}
+
+    def seconds(width: int) -> float:
+        runner.rollback(prefix)
+        started = time.perf_counter()
+        runner.forward(tokens[:, prefix:prefix + width])
+        return time.perf_counter() - started
+
+    one_token, ratios = [], {width: [] for width in widths}
     for _ in range(repeats):
-        for width in seconds:
-            runner.rollback(prefix)
-            started = time.perf_counter()
-            runner.forward(tokens[:, prefix:prefix + width])
-            seconds[width].append(time.perf_counter() - started)
-    return {"pass_s": {str(width): statistics.median(times) for width, times in seconds.items()}}
+        for width in widths:
+            one_token.append(seconds(1))
+            ratios[width].append(seconds(width) / one_token[-1])
+    step = statistics.median(one_token)
+    return {"pass_s": {"1": step, **{str(width): step * statistics.median(r) for width, r in ratios.items()}}}
 
 
 def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_CONTEXTS) -> dict:
