@@ -120,15 +120,23 @@ class SpeculativeGenerator:
     def _stream(self, request: Request) -> Iterator[Chunk]:
         runner = new_runner(self.target, self.vocab_size)
         request.check_length(runner)
-        steps = speculative_decode(runner, self.drafter, request.prompt_ids, k=request.k_policy(self.drafter),
-                                   max_new_tokens=request.max_new_tokens, sampling=request.sampling,
-                                   generator=request.generator, eos_ids=self.eos_ids, stats=request.stats)
-        for step in steps:
-            chunk = request.output.chunk(step)
-            yield chunk
-            if chunk.finish_reason:
-                return
-        yield request.output.end()
+        # A seeded sample depends on how much is drafted each cycle, so it must not depend on what this generator
+        # served before (suffix lookup's history of earlier requests): it drafts with a drafter of its own, as a
+        # request in a batch does.
+        drafter = self.drafter.fork() if request.seeded_sample else self.drafter
+        try:
+            steps = speculative_decode(runner, drafter, request.prompt_ids, k=request.k_policy(drafter),
+                                       max_new_tokens=request.max_new_tokens, sampling=request.sampling,
+                                       generator=request.generator, eos_ids=self.eos_ids, stats=request.stats)
+            for step in steps:
+                chunk = request.output.chunk(step)
+                yield chunk
+                if chunk.finish_reason:
+                    return
+            yield request.output.end()
+        finally:
+            if drafter is not self.drafter:
+                drafter.close()
 
     def generate_many(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
                       top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -207,11 +215,16 @@ class Request:
     seed: int | None
     max_new_tokens: int
 
+    @property
+    def seeded_sample(self) -> bool:
+        """A sample that must repeat for its seed: what it drafts decides how its random stream is used."""
+        return self.seed is not None and not self.sampling.greedy
+
     def k_policy(self, drafter):
         if getattr(drafter, "chooses_k", False):  # the drafter decides; k only caps it
             return make_k_policy(K_MAX if self.k == "auto" else self.k)
         # A seeded sample must not depend on the clock: k decides how the random stream is consumed.
-        timed = self.sampling.greedy or self.seed is None
+        timed = not self.seeded_sample
         return make_k_policy(self.k, timed=timed, **self.k_priors)
 
     def check_length(self, runner) -> None:
@@ -252,7 +265,7 @@ class Batch:
             decoding = Decoding(runner, drafter, request.prompt_ids, k=request.k_policy(drafter),
                                 max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                                 generator=request.generator, eos_ids=gen.eos_ids, stats=request.stats,
-                                pinned_k=request.seed is not None and not request.sampling.greedy)
+                                pinned_k=request.seeded_sample)
         except BaseException:
             _close(runner)
             drafter.close()

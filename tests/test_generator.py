@@ -61,6 +61,30 @@ def test_same_seed_same_sample_different_seeds_differ(gen):
     assert runs[0] != runs[2] or runs[0] != runs[3]
 
 
+def test_a_seeded_sample_does_not_depend_on_what_the_generator_served_before(pair, tokenizer, monkeypatch):
+    """Suffix lookup remembers earlier requests, and what a cycle drafts decides how a sample uses its random stream:
+    a seeded sample drafts with a drafter of its own, so the same prompt and seed give the same sample after other
+    requests (and a greedy request still uses the history). Negative control: sharing the drafter's history, the
+    samples differ."""
+    from specdec import generator as generator_module
+
+    target, _ = pair
+    gen = SpeculativeGenerator(target, "suffix", k=4, tokenizer=tokenizer)
+    prompt, settings = "abcabcabc abcabc", dict(max_new_tokens=40, temperature=1.0, seed=7)
+
+    def samples():
+        runs = set()
+        for filler in ("abcabc abc", "cab cab abcab", "ab ab ab abc"):
+            gen.generate(filler + prompt, max_new_tokens=30)  # greedy requests grow the lookup's history
+            runs.add(tuple(gen.generate(prompt, **settings).token_ids))
+        return runs
+
+    assert len(samples()) == 1
+    assert len(gen.drafter._history) >= 2  # the greedy requests did grow the shared history
+    monkeypatch.setattr(generator_module.Request, "seeded_sample", property(lambda self: False))
+    assert len(samples()) > 1
+
+
 def test_stream_yields_the_same_text_and_tokens_as_generate(gen):
     settings = dict(max_new_tokens=25, temperature=0.8, top_p=0.9, seed=5)
     chunks = list(gen.stream("xyz", **settings))
