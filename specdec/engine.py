@@ -142,45 +142,17 @@ def batch_cycle(decodings: list[Decoding], width: int) -> list[Step]:
     """One cycle of each unfinished decoding, their target passes fused (continuous batching with speculation).
 
     width: the most tokens one fused pass may hold while every token still gets the logits of a one-token pass of its
-    own sequence (the runtime's calibrated batch width). Each decoding drafts within its share (batch_shares), except one
+    own sequence (the runtime's calibrated batch width). Each decoding drafts within its share of it, except one
     with pinned_k (a seeded sample: how many tokens it drafts decides how its random stream is used, so it drafts as
     it would alone); the target evaluates all of them in as few passes of at most `width` tokens as they fit in, and
     each verifies, commits and rolls back on its own: acceptance is ragged. -> each decoding's Step, in order.
     """
-    shares = batch_shares(decodings, width)
-    feeds = [decoding.propose(None if decoding.pinned_k else share) for decoding, share in zip(decodings, shares)]
+    share = max(1, width // max(1, len(decodings)))
+    feeds = [decoding.propose(None if decoding.pinned_k else share) for decoding in decodings]
     started = time.perf_counter()
     logits = iter(fused_forward([(d.target, feed) for d, feed in zip(decodings, feeds) if feed is not None], width))
     elapsed = time.perf_counter() - started
     return [d.commit(next(logits) if feed is not None else None, elapsed) for d, feed in zip(decodings, feeds)]
-
-
-def batch_shares(decodings: list[Decoding], width: int) -> list[int]:
-    """How many tokens each decoding may feed this cycle's fused pass: its newest token and up to share - 1 drafts.
-
-    Chosen for the most expected tokens per second of the whole pass, from the target's calibrated cost curve
-    (verify_cost: a pass over w tokens in one-token passes) and each decoding's acceptance so far: its j-th draft
-    token is taken to be accepted with probability a**j. Extra tokens are handed out one at a time to the decoding
-    likeliest to gain from one, and the best point on that path wins, so a step in the curve is weighed whole (with
-    specdec's kernels a pass over 9 tokens costs much more than one over 8: a second group of columns). A runtime
-    without a cost curve, or a decoding alone, gets the whole width shared equally (its own k policy then chooses).
-    """
-    n = len(decodings)
-    cost = getattr(getattr(decodings[0].target, "model", None), "verify_cost", None) if decodings else None
-    if cost is None or n == 1 or n >= width:
-        return [max(1, width // max(1, n))] * n
-    # acceptance per draft token, with a prior of one accepted and one rejected token
-    acceptance = [(d.stats.accepted_tokens + 1) / (d.stats.drafted_tokens + 2) for d in decodings]
-    shares, expected = [1] * n, float(n)
-    best_rate, best = expected / cost(n), list(shares)
-    for total in range(n + 1, width + 1):
-        gains = [a ** share for a, share in zip(acceptance, shares)]
-        i = max(range(n), key=gains.__getitem__)
-        shares[i] += 1
-        expected += gains[i]
-        if expected / cost(total) > best_rate:
-            best_rate, best = expected / cost(total), list(shares)
-    return best
 
 
 def fused_forward(items: list[tuple[Runner, torch.Tensor]], width: int) -> list[torch.Tensor]:

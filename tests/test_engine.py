@@ -117,34 +117,3 @@ def test_draft_sees_the_recovered_token_before_its_next_proposal(models):
     context = torch.cat([context, recovered], dim=1)
     proposal = drafter.propose(context, 4, GREEDY, make_generator(0))
     assert proposal.tokens[0].tolist() == reference_greedy(target, context[0].tolist(), 4)
-
-
-def _decodings_with(acceptance: list[tuple[int, int]], verify_cost):
-    """Stand-ins for batched decodings: what batch_shares reads (the target's cost curve, each one's acceptance)."""
-    from types import SimpleNamespace
-
-    target = SimpleNamespace(model=SimpleNamespace(verify_cost=verify_cost))
-    return [SimpleNamespace(target=target, stats=SimpleNamespace(accepted_tokens=accepted, drafted_tokens=drafted))
-            for accepted, drafted in acceptance]
-
-
-def test_a_batch_shares_its_pass_by_the_cost_curve_and_each_sequences_acceptance():
-    from specdec.engine import batch_shares
-
-    def stepped(width):  # a pass costs little per token within a group of 8 columns, a whole stream more beyond
-        return 1.0 + 0.2 * (width - 1) + (1.0 if width > 8 else 0.0)
-
-    good, poor = (95, 100), (5, 100)
-    # 4 sequences that accept their drafts: the pass fills up to the step, and no further
-    assert batch_shares(_decodings_with([good] * 4, stepped), 16) == [2, 2, 2, 2]
-    # the same 4 that reject them: no drafts
-    assert batch_shares(_decodings_with([poor] * 4, stepped), 16) == [1, 1, 1, 1]
-    # a mix: the room goes to the sequences likely to use it
-    assert batch_shares(_decodings_with([good, poor, good, poor], stepped), 16) == [3, 1, 3, 1]
-    # 8 sequences: a 9th token would start a second group, which their acceptance cannot pay for
-    assert batch_shares(_decodings_with([good] * 8, stepped), 16) == [1] * 8
-    # negative control: where every extra token is cheap, the same 8 sequences do draft (past the step a flat
-    # curve pays); and without a cost curve the width is shared equally, as before
-    assert batch_shares(_decodings_with([good] * 8, lambda width: 1.0 + 0.05 * (width - 1)), 16) == [2] * 8
-    assert batch_shares(_decodings_with([poor] * 4, None), 16) == [4] * 4
-    assert batch_shares(_decodings_with([good], stepped), 16) == [16]  # alone: its own k policy chooses
