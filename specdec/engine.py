@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 
+from specdec.adaptive import expected_tokens
 from specdec.drafters.base import Drafter, Proposal
 from specdec.metrics import SpecStats
 from specdec.runners import Runner
@@ -73,6 +74,8 @@ class Decoding:
         self._proposal: Proposal | None = None
         self._budget = 0  # tokens this cycle may still emit (token budget and room in the context)
         self._drafted_s = 0.0
+        self.n_drafted = 0  # draft tokens of this cycle's proposal that the drafter made (not padding)
+        self.max_draft = 0  # the most draft tokens this cycle may verify (its token budget, the exact verify width)
 
     def propose(self, max_width: int | None = None) -> torch.Tensor | None:
         """Draft this cycle -> the tokens the target must evaluate for it ([1, n]: the newest committed token, then
@@ -87,15 +90,53 @@ class Decoding:
         widest = verify_width(self.target, self.context.shape[1], self.max_new_tokens + 1)
         if widest == 1:
             self.stats.narrowed_cycles += 1
-        widest = min(widest, max_width or widest)
         # Drafting beyond budget - 1 tokens is wasted: the cycle emits n_accepted + 1 tokens.
-        n = min(self.k.next_k(), budget - 1, widest - 1)
+        self.max_draft = max(0, min(budget - 1, widest - 1))
+        n = min(self.k.next_k(), self.max_draft, (max_width or widest) - 1)
         self._proposal = self.drafter.propose(self.context, max(n, 0), self.sampling, self.generator)
         self._drafted_s = time.perf_counter() - tick
+        self.n_drafted = self._proposal.tokens.shape[1]
+        return self._feed()
+
+    @property
+    def proposing(self) -> bool:
+        """Whether propose() made a proposal that commit() has yet to verify (not when the context is full)."""
+        return self._proposal is not None
+
+    def _feed(self) -> torch.Tensor | None:
         draft = self._proposal.tokens  # [1, n_draft]
         if self.pending is None:
             return torch.cat([self.context[:, -1:], draft], dim=1)
         return draft if draft.shape[1] else None
+
+    def feed_width(self, n_draft: int) -> int:
+        """Tokens the target evaluates for this cycle if it drafts n_draft (its first cycle feeds only the draft)."""
+        return n_draft + (self.pending is None)
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that each token of this cycle's draft is accepted, as the drafter or the k policy estimates it
+        (else this request's share of accepted draft tokens so far, from a prior of one accepted and one rejected)."""
+        estimate = self._proposal.acceptance if self._proposal is not None else None
+        if estimate is None:
+            estimate = getattr(self.k, "acceptance", None)
+        if estimate is None:
+            estimate = (self.stats.accepted_tokens + 1) / (self.stats.drafted_tokens + 2)
+        return estimate
+
+    def reshape(self, n_draft: int) -> torch.Tensor | None:
+        """Cut this cycle's draft to its first n_draft tokens, or pad it to n_draft with copies of its last token
+        (proposed with q = 1, so verification stays exact: the target accepts such a token only with its own
+        probability) -> the tokens the target must now evaluate. A batch does this to give every sequence of a fused
+        pass the same number of tokens (batch_cycle). The drafter hears only of its own tokens."""
+        proposal = self._proposal
+        have = proposal.tokens.shape[1]
+        if n_draft < have:
+            proposal = proposal.prefix(n_draft)
+        elif n_draft > have:
+            proposal = proposal.padded(torch.cat([self.context, proposal.tokens], dim=1)[:, -1:], n_draft - have)
+        self._proposal, self.n_drafted = proposal, min(have, n_draft)
+        return self._feed()
 
     def commit(self, logits: torch.Tensor | None, verify_s: float = 0.0) -> Step:
         """Verify the proposal against the target's logits for the tokens propose() returned (None if it returned
@@ -119,16 +160,18 @@ class Decoding:
                                                   self.generator)
         n_accepted = int(n_accepted[0])
         self.target.rollback(self.context.shape[1] + n_accepted)
-        self.drafter.accept(draft.shape[1], n_accepted)
-        self.k.observe(draft.shape[1], n_accepted, self._drafted_s, verify_s)
+        # What the drafter proposed, without the padding of a batch (reshape)
+        n_drafted, n_authored = self.n_drafted, min(n_accepted, self.n_drafted)
+        self.drafter.accept(n_drafted, n_authored)
+        self.k.observe(n_drafted, n_authored, self._drafted_s, verify_s)
         stats.draft_s += self._drafted_s
         stats.verify_s += verify_s
         stats.target_calls += calls
         stats.draft_calls += proposal.forward_calls
-        stats.observe(draft.shape[1], n_accepted, proposal.source or self.drafter.name)
+        stats.observe(n_drafted, n_authored, proposal.source or self.drafter.name)
         stats.drafter_counts.update(proposal.counts)
 
-        step = _truncate(tokens[0, : n_accepted + 1].tolist(), n_accepted, self._budget, self.eos_ids)
+        step = _truncate(tokens[0, : n_accepted + 1].tolist(), n_authored, self._budget, self.eos_ids)
         self.context = torch.cat([self.context, tokens[:, : len(step.tokens)]], dim=1)
         self.emitted += len(step.tokens)
         stats.new_tokens = self.emitted
@@ -138,42 +181,91 @@ class Decoding:
         return step
 
 
-def batch_cycle(decodings: list[Decoding], width: int) -> list[Step]:
+def batch_cycle(decodings: list[Decoding], width: int,
+                pass_cost: Callable[[list[int]], float] | None = None) -> list[Step]:
     """One cycle of each unfinished decoding, their target passes fused (continuous batching with speculation).
 
     width: the most tokens one fused pass may hold while every token still gets the logits of a one-token pass of its
     own sequence (the runtime's calibrated batch width). Each decoding drafts within its share of it, except one
     with pinned_k (a seeded sample: how many tokens it drafts decides how its random stream is used, so it drafts as
-    it would alone); the target evaluates all of them in as few passes of at most `width` tokens as they fit in, and
-    each verifies, commits and rolls back on its own: acceptance is ragged. -> each decoding's Step, in order.
+    it would alone). pass_cost, where the runtime knows what a fused pass costs (in one-token passes, from the tokens
+    each sequence feeds it), lets shape_pass cut or pad the drafts to the shape with the most expected tokens per unit
+    of cost. The target evaluates all of them in as few passes of at most `width` tokens as they fit in, and each
+    decoding verifies, commits and rolls back on its own: acceptance is ragged. -> each decoding's Step, in order.
     """
     share = max(1, width // max(1, len(decodings)))
     feeds = [decoding.propose(None if decoding.pinned_k else share) for decoding in decodings]
+    if pass_cost is not None:
+        feeds = shape_pass(decodings, feeds, width, pass_cost)
     started = time.perf_counter()
     logits = iter(fused_forward([(d.target, feed) for d, feed in zip(decodings, feeds) if feed is not None], width))
     elapsed = time.perf_counter() - started
     return [d.commit(next(logits) if feed is not None else None, elapsed) for d, feed in zip(decodings, feeds)]
 
 
+def shape_pass(decodings: list[Decoding], feeds: list[torch.Tensor | None], width: int,
+               pass_cost: Callable[[list[int]], float]) -> list[torch.Tensor | None]:
+    """Cut or pad this cycle's drafts so that the fused pass yields the most expected tokens per unit of its cost.
+
+    A fused pass costs by its shape, not only by its token count: llama.cpp runs a pass whose sequences feed it
+    different numbers of tokens as one sub-pass per step in those numbers, each streaming the weights once. So every
+    draft may be cut to at most `cap` tokens, and the short ones then either left short (a ragged pass) or padded up
+    to `cap` with tokens the target will almost surely reject (one sub-pass). The candidate with the most expected
+    tokens (a draft of n tokens accepted with probability a each yields (1 - a^(n+1)) / (1 - a)) per unit of
+    pass_cost wins; cap 0 is plain decoding. A decoding with pinned_k keeps its draft. -> the feeds to evaluate.
+    """
+    live = [i for i, decoding in enumerate(decodings) if decoding.proposing]
+    flexible = [i for i in live if not decodings[i].pinned_k]
+    if not flexible or len(live) < 2:  # alone, a decoding's drafter has already weighed its draft
+        return feeds
+    drafted = {i: decodings[i].n_drafted for i in live}
+    acceptance = {i: decodings[i].acceptance for i in live}
+    best, best_rate = drafted, 0.0
+    for cap in range(max(drafted[i] for i in flexible) + 1):
+        for pad in (False, True):
+            plan = dict(drafted)
+            for i in flexible:
+                plan[i] = min(max(drafted[i], cap) if pad else drafted[i], cap, decodings[i].max_draft)
+            expected = sum(expected_tokens(acceptance[i], min(plan[i], drafted[i])) for i in live)
+            widths = [decodings[i].feed_width(plan[i]) for i in live]
+            cost = sum(pass_cost([widths[j] for j in group]) for group in _groups(widths, width))
+            if cost > 0 and expected / cost > best_rate + 1e-9:  # (a cycle with no pass at all stays as it was)
+                best, best_rate = plan, expected / cost
+    feeds = list(feeds)
+    for i in flexible:
+        if best[i] != drafted[i]:
+            feeds[i] = decodings[i].reshape(best[i])
+    return feeds
+
+
 def fused_forward(items: list[tuple[Runner, torch.Tensor]], width: int) -> list[torch.Tensor]:
     """Each runner's logits for its tokens [1, n], evaluated in passes of at most `width` tokens in all: one pass per
     group where the runners' model can evaluate several sequences at once (forward_many), else one per runner."""
-    groups, size = [[]], 0
-    for runner, tokens in items:
-        if groups[-1] and size + tokens.shape[1] > width:
-            groups.append([])
-            size = 0
-        groups[-1].append((runner, tokens))
-        size += tokens.shape[1]
     outputs = []
-    for group in groups:
-        model = getattr(group[0][0], "model", None) if group else None
+    for indices in _groups([tokens.shape[1] for _, tokens in items], width):
+        group = [items[i] for i in indices]
+        model = getattr(group[0][0], "model", None)
         forward_many = getattr(model, "forward_many", None)
         if forward_many is not None and len(group) > 1 and all(r.model is model for r, _ in group):
             outputs += forward_many(group)
         else:
             outputs += [r.forward(t) for r, t in group]
     return outputs
+
+
+def _groups(widths: list[int], width: int) -> list[list[int]]:
+    """Consecutive items of these token counts, grouped into passes of at most `width` tokens (an item wider than
+    that gets a pass of its own) -> the items' indices, pass by pass."""
+    groups, size = [], width
+    for i, n in enumerate(widths):
+        if not n:
+            continue
+        if size + n > width:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += n
+    return groups
 
 
 def verify_width(target: Runner, length: int, default: int) -> int:

@@ -280,8 +280,10 @@ class Batch:
         """One cycle of every active request -> each one's chunk (finished requests leave the batch)."""
         if not self.active:
             return []
-        fused_width = self.generator.target.batch_width if self.fused else (K_MAX + 1) * len(self.active)
-        steps = batch_cycle([decoding for _, decoding in self.active], fused_width)
+        target = self.generator.target
+        fused_width = target.batch_width if self.fused else (K_MAX + 1) * len(self.active)
+        pass_cost = getattr(target, "fused_pass_cost", None) if self.fused else None
+        steps = batch_cycle([decoding for _, decoding in self.active], fused_width, pass_cost)
         chunks, still = [], []
         for (request, decoding), step in zip(self.active, steps):
             chunk = request.output.collect(request.output.chunk(step))

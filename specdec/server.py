@@ -149,8 +149,8 @@ class _Ticket:
 
 class _Scheduler:
     """Continuous batching: one thread runs the model, each cycle a step of every active request (generator.Batch:
-    their target passes fused); requests join between cycles while the batch has room and leave when they finish or
-    their client leaves. Up to max_queue more wait; beyond that a request gets 503 at once."""
+    their target passes fused); requests join between cycles, one per cycle while the batch has room, and leave when
+    they finish or their client leaves. Up to max_queue more wait; beyond that a request gets 503 at once."""
 
     def __init__(self, generator: SpeculativeGenerator, max_batch: int, max_queue: int):
         if max_batch < 1:
@@ -204,7 +204,9 @@ class _Scheduler:
                     if ticket.cancelled:
                         self.batch.drop(request)
                         del self._active[request]
-                joining = [self._waiting.popleft() for _ in range(min(len(self._waiting), self.batch.room()))]
+                # One request joins per cycle: the requests already decoding go on while prompts are read, and a
+                # new request's first token comes with the cycle right after its prefill, not after every prefill.
+                joining = [self._waiting.popleft()] if self._waiting and self.batch.has_room() else []
                 self._starting = len(joining)
             for ticket in joining:  # the prefill: outside the lock, so that requests keep arriving meanwhile
                 self._start(ticket)

@@ -7,7 +7,7 @@ import torch
 
 from specdec.adaptive import FixedK
 from specdec.drafters import ModelDrafter, NoDrafter
-from specdec.engine import speculative_decode
+from specdec.engine import Decoding, batch_cycle, shape_pass, speculative_decode
 from specdec.metrics import SpecStats
 from specdec.runners import TorchRunner
 from specdec.sampling import SamplingConfig, make_generator
@@ -117,3 +117,55 @@ def test_draft_sees_the_recovered_token_before_its_next_proposal(models):
     context = torch.cat([context, recovered], dim=1)
     proposal = drafter.propose(context, 4, GREEDY, make_generator(0))
     assert proposal.tokens[0].tolist() == reference_greedy(target, context[0].tolist(), 4)
+
+
+def batch_decode(target, drafters_and_ks, prompts, max_new_tokens, pass_cost):
+    """Each prompt decoded greedily in one batch by batch_cycle (tiny torch runners: one pass per sequence) -> each
+    one's tokens."""
+    decodings = [Decoding(TorchRunner(target, target.config.vocab_size), drafter, torch.tensor([prompt]),
+                          k=FixedK(k), max_new_tokens=max_new_tokens, sampling=GREEDY, generator=make_generator(0))
+                 for (drafter, k), prompt in zip(drafters_and_ks, prompts)]
+    tokens = [[] for _ in decodings]
+    while live := [i for i, d in enumerate(decodings) if not d.done]:
+        for i, step in zip(live, batch_cycle([decodings[i] for i in live], width=64, pass_cost=pass_cost)):
+            tokens[i] += step.tokens
+    return tokens
+
+
+def sub_passes(widths):
+    """llama.cpp's fused pass with free width: one unit per sub-pass (per step in the widths)."""
+    return float(len({w for w in widths if w}))
+
+
+def tokens_fed(widths):
+    """A pass that costs by its tokens alone: no draft token can pay for itself."""
+    return float(sum(widths))
+
+
+@pytest.mark.parametrize("pass_cost", [sub_passes, tokens_fed])
+def test_a_batch_shaped_by_its_pass_cost_gives_every_sequence_its_solo_greedy_output(models, pass_cost):
+    """Drafts cut to nothing (a cost by tokens) or padded to the longest (a cost by sub-passes) leave every
+    sequence's output as it is alone."""
+    target = models["target"]
+    drafters = [(draft_with(models["self"]), 4), (draft_with(models["random"]), 2), (NoDrafter(), 1),
+                (draft_with(models["close"]), 3)]
+    prompts = PROMPTS + [[4, 4, 2]]
+    got = batch_decode(target, drafters, prompts, 17, pass_cost)
+    assert got == [reference_greedy(target, prompt, 17) for prompt in prompts]
+
+
+def test_shape_pass_pads_where_sub_passes_cost_and_cuts_where_tokens_do(models):
+    """The shape: drafts of 1 and 3 tokens after a sub-pass cost -> both feed 4 tokens (one padded); after a cost by
+    tokens, with nothing accepted yet -> plain decoding, 1 token each. The drafter hears only of its own tokens."""
+    target = models["target"]
+    for pass_cost, expected in ((sub_passes, [4, 4]), (tokens_fed, [1, 1])):
+        decodings = [Decoding(TorchRunner(target, target.config.vocab_size), draft_with(models["self"]),
+                              torch.tensor([PROMPTS[1]]), k=FixedK(k), max_new_tokens=10, sampling=GREEDY,
+                              generator=make_generator(0)) for k in (1, 3)]
+        for decoding in decodings:  # a first cycle without a pass: the prefill's token
+            assert decoding.propose(max_width=1) is None
+            decoding.commit(None)
+        feeds = [decoding.propose() for decoding in decodings]
+        shaped = shape_pass(decodings, feeds, 64, pass_cost)
+        assert [feed.shape[1] for feed in shaped] == expected
+        assert [decoding.n_drafted for decoding in decodings] == [min(1, expected[0] - 1), expected[1] - 1]

@@ -186,6 +186,18 @@ def test_beyond_the_longest_calibrated_context_one_token_is_verified(model):
     assert target.verify_width(longest + 1) == 1
 
 
+def test_a_ragged_fused_pass_costs_a_sub_pass_per_step_in_its_widths(model, monkeypatch):
+    """llama.cpp evaluates a pass over separate sequences in sub-passes that take equally many tokens from each:
+    [3, 1, 3, 1] runs as 4 x 1 tokens, then 2 x 2."""
+    target, _ = model
+    monkeypatch.setattr(target, "_costs", {"pass_s": {str(w): 0.01 * (1 + 0.25 * (w - 1)) for w in range(1, 17)}})
+    cost = target.verify_cost
+    assert target.fused_pass_cost([3, 1, 3, 1]) == pytest.approx(2 * cost(4))
+    assert target.fused_pass_cost([2, 1, 1, 1, 1, 1, 1, 1]) == pytest.approx(cost(8) + cost(1))
+    assert target.fused_pass_cost([2, 2, 2, 2]) == pytest.approx(cost(8))  # uniform: one pass over all the tokens
+    assert target.fused_pass_cost([0, 1, 0]) == pytest.approx(1.0)  # a sequence with nothing to evaluate adds nothing
+
+
 def test_the_engine_never_verifies_more_tokens_than_the_exact_width(model, gguf_path, monkeypatch):
     target, tokenizer = model
     monkeypatch.setattr(target, "_exact_widths", {length: 3 for length in target.exact_widths})

@@ -6,6 +6,7 @@ target's distribution over every 2-3 token continuation can be enumerated and co
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -148,37 +149,67 @@ def test_negative_control_wrong_warping_is_detected(monkeypatch):
     assert set(counts) & rare or chi_square_p_value(counts, expected) < ALPHA
 
 
-def sample_sequences_in_batches(n_new: int, sampling: SamplingConfig, batch: int = 4) -> dict[tuple[int, ...], int]:
-    """DRAWS sequences, decoded `batch` at a time by batch_cycle: model and deterministic drafters side by side with
-    k = 1, 2, 3, so that every cycle mixes proposals of different lengths and acceptance is ragged."""
+def sub_passes(widths: list[int]) -> float:
+    """A fused pass that costs by its sub-passes (one per step in the widths), as on llama.cpp, with each sub-pass
+    free of its width: batch_cycle's shape_pass then pads every draft to the longest."""
+    return float(len({w for w in widths if w}))
+
+
+def sample_sequences_in_batches(n_new: int, sampling: SamplingConfig, batch: int = 4, pass_cost=None,
+                                ks=(1, 2, 3)) -> dict[tuple[int, ...], int]:
+    """DRAWS sequences, decoded `batch` at a time by batch_cycle: deterministic and model drafters in turn, with the
+    ks in turn, so that every cycle mixes proposals of different lengths and acceptance is ragged (with pass_cost
+    sub_passes: the shorter drafts padded; ks (2, 1): every model draft)."""
     from specdec.engine import Decoding, batch_cycle
 
     counts: dict[tuple[int, ...], int] = {}
     generator = make_generator(4321)
     for _ in range(DRAWS // batch):
         decodings = [Decoding(ToyRunner(VOCAB, seed=0), draft_model() if i % 2 else RepeatDrafter(),
-                              torch.tensor([PROMPT]), k=FixedK(1 + i % 3), max_new_tokens=n_new, sampling=sampling,
+                              torch.tensor([PROMPT]), k=FixedK(ks[i % len(ks)]), max_new_tokens=n_new, sampling=sampling,
                               generator=generator) for i in range(batch)]
         tokens: list[list[int]] = [[] for _ in decodings]
         while live := [i for i, d in enumerate(decodings) if not d.done]:
-            for i, step in zip(live, batch_cycle([decodings[i] for i in live], width=64)):
+            for i, step in zip(live, batch_cycle([decodings[i] for i in live], width=64, pass_cost=pass_cost)):
                 tokens[i] += step.tokens
         for seq in tokens:
             counts[tuple(seq)] = counts.get(tuple(seq), 0) + 1
     return counts
 
 
-def test_sampling_inside_a_batch_matches_target_distribution():
+@pytest.mark.parametrize("pass_cost", [None, sub_passes], ids=["ragged", "padded"])
+def test_sampling_inside_a_batch_matches_target_distribution(pass_cost):
     sampling = SamplingConfig(temperature=1.0)
     expected = target_distribution(ToyRunner(VOCAB, seed=0), 3, sampling)
-    assert chi_square_p_value(sample_sequences_in_batches(3, sampling), expected) > ALPHA
+    counts = sample_sequences_in_batches(3, sampling, pass_cost=pass_cost, ks=(2, 1) if pass_cost else (1, 2, 3))
+    assert chi_square_p_value(counts, expected) > ALPHA
 
 
-def test_negative_control_a_wrong_verifier_inside_a_batch_is_detected(monkeypatch):
+@pytest.mark.parametrize("pass_cost", [None, sub_passes], ids=["ragged", "padded"])
+def test_negative_control_a_wrong_verifier_inside_a_batch_is_detected(monkeypatch, pass_cost):
     monkeypatch.setattr(specdec.engine, "rejection_sample", accept_everything)
     sampling = SamplingConfig(temperature=1.0)
     expected = target_distribution(ToyRunner(VOCAB, seed=0), 3, sampling)
-    counts = sample_sequences_in_batches(3, sampling)
+    counts = sample_sequences_in_batches(3, sampling, pass_cost=pass_cost)
+    rare = {s for s, p in expected.items() if p == 0}
+    assert set(counts) & rare or chi_square_p_value(counts, expected) < ALPHA
+
+
+def test_negative_control_padding_with_a_wrong_q_is_detected(monkeypatch):
+    """Padding is exact only because each filler token is proposed with q = 1 on it: a filler given the uniform q
+    instead (as if drawn at random) is caught."""
+    def padded_with_uniform_q(self, token, n):
+        filler = token.expand(-1, n)
+        probs = self.probs
+        if probs is not None:
+            uniform = torch.full((probs.shape[0], n, probs.shape[2]), 1.0 / probs.shape[2], dtype=probs.dtype)
+            probs = torch.cat([probs, uniform], dim=1)
+        return dataclasses.replace(self, tokens=torch.cat([self.tokens, filler], dim=1), probs=probs)
+
+    monkeypatch.setattr(Proposal, "padded", padded_with_uniform_q)
+    sampling = SamplingConfig(temperature=1.0)
+    expected = target_distribution(ToyRunner(VOCAB, seed=0), 3, sampling)
+    counts = sample_sequences_in_batches(3, sampling, pass_cost=sub_passes, ks=(2, 1))
     rare = {s for s, p in expected.items() if p == 0}
     assert set(counts) & rare or chi_square_p_value(counts, expected) < ALPHA
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -17,10 +17,27 @@ class Proposal:
     forward_calls: int = 0  # model forward passes spent on this proposal
     source: str | None = None  # which drafter authored it, where one drafter delegates to others (None: the drafter)
     counts: dict[str, float] = field(default_factory=dict)  # what is specific to the drafter, summed in SpecStats
+    acceptance: float | None = None  # the drafter's estimate of each token's chance of acceptance, if it keeps one
 
     @staticmethod
     def empty(batch: int = 1) -> "Proposal":
         return Proposal(torch.zeros(batch, 0, dtype=torch.long))
+
+    def prefix(self, n: int) -> "Proposal":
+        """The first n tokens of this proposal (and their q)."""
+        if self.tokens.shape[1] == n:
+            return self
+        probs = self.probs[:, :n] if self.probs is not None else None
+        return replace(self, tokens=self.tokens[:, :n], probs=probs)
+
+    def padded(self, token: torch.Tensor, n: int) -> "Proposal":
+        """This proposal followed by n copies of token [batch, 1], each proposed with q = 1 on it."""
+        filler = token.expand(-1, n)
+        probs = self.probs
+        if probs is not None:
+            one_hot = torch.zeros(probs.shape[0], n, probs.shape[2], dtype=probs.dtype)
+            probs = torch.cat([probs, one_hot.scatter_(2, filler.unsqueeze(-1), 1.0)], dim=1)
+        return replace(self, tokens=torch.cat([self.tokens, filler], dim=1), probs=probs)
 
 
 class Drafter:

@@ -15,7 +15,7 @@ a long prompt, one that gains a lot soon is (the ski-rental rule: rent until the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from specdec.adaptive import Acceptance, best_k, expected_tokens
@@ -79,7 +79,7 @@ class ChoosingDrafter(Drafter):
             a = self.acceptance[lookup_estimate].rate
             n = best_k(a, 0.0, verify, proposal.tokens.shape[1])
             options["lookup"] = (expected_tokens(a, n) / verify(n + 1), n, expected_tokens(a, n))
-            proposal = _prefix(proposal, n)
+            proposal = proposal.prefix(n)
         catch_up = missed = 0.0
         if self.model_drafter is not None and k > 0:
             a, c = self.acceptance["model"].rate, self.costs.draft_step
@@ -102,6 +102,8 @@ class ChoosingDrafter(Drafter):
             self.regret += missed * options[choice][2]
             if choice == "none":
                 proposal = Proposal.empty(context.shape[0])
+        if self.estimate is not None:
+            proposal.acceptance = self.acceptance[self.estimate].rate
         proposal.source = {"lookup": self.lookup.name, "model": self.model_drafter.name if self.model_drafter else
                            None, "none": "none"}[choice]
         return proposal
@@ -130,10 +132,3 @@ class ChoosingDrafter(Drafter):
             return "lookup"
         return "lookup", max(band for band in MATCH_BANDS if band <= matched)
 
-
-def _prefix(proposal: Proposal, n: int) -> Proposal:
-    """The first n tokens of a proposal (and their q)."""
-    if proposal.tokens.shape[1] == n:
-        return proposal
-    probs = proposal.probs[:, :n] if proposal.probs is not None else None
-    return replace(proposal, tokens=proposal.tokens[:, :n], probs=probs)
