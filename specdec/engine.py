@@ -182,14 +182,14 @@ class Decoding:
 
 
 def batch_cycle(decodings: list[Decoding], width: int,
-                pass_cost: Callable[[list[int]], float] | None = None) -> list[Step]:
+                pass_cost: Callable[[list[tuple[Runner, int]]], float] | None = None) -> list[Step]:
     """One cycle of each unfinished decoding, their target passes fused (continuous batching with speculation).
 
     width: the most tokens one fused pass may hold while every token still gets the logits of a one-token pass of its
     own sequence (the runtime's calibrated batch width). Each decoding drafts within its share of it, except one
     with pinned_k (a seeded sample: how many tokens it drafts decides how its random stream is used, so it drafts as
-    it would alone). pass_cost, where the runtime knows what a fused pass costs (in one-token passes, from the tokens
-    each sequence feeds it), lets shape_pass cut or pad the drafts to the shape with the most expected tokens per unit
+    it would alone). pass_cost, where the runtime knows what a fused pass costs (in one-token passes, from each
+    runner and the number of tokens it feeds the pass), lets shape_pass cut or pad the drafts to the shape with the most expected tokens per unit
     of cost. The target evaluates all of them in as few passes of at most `width` tokens as they fit in, and each
     decoding verifies, commits and rolls back on its own: acceptance is ragged. -> each decoding's Step, in order.
     """
@@ -204,7 +204,7 @@ def batch_cycle(decodings: list[Decoding], width: int,
 
 
 def shape_pass(decodings: list[Decoding], feeds: list[torch.Tensor | None], width: int,
-               pass_cost: Callable[[list[int]], float]) -> list[torch.Tensor | None]:
+               pass_cost: Callable[[list[tuple[Runner, int]]], float]) -> list[torch.Tensor | None]:
     """Cut or pad this cycle's drafts so that the fused pass yields the most expected tokens per unit of its cost.
 
     A fused pass costs by its shape, not only by its token count: llama.cpp runs a pass whose sequences feed it
@@ -227,8 +227,8 @@ def shape_pass(decodings: list[Decoding], feeds: list[torch.Tensor | None], widt
             for i in flexible:
                 plan[i] = min(max(drafted[i], cap) if pad else drafted[i], cap, decodings[i].max_draft)
             expected = sum(expected_tokens(acceptance[i], min(plan[i], drafted[i])) for i in live)
-            widths = [decodings[i].feed_width(plan[i]) for i in live]
-            cost = sum(pass_cost([widths[j] for j in group]) for group in _groups(widths, width))
+            fed = [(decodings[i].target, decodings[i].feed_width(plan[i])) for i in live]
+            cost = sum(pass_cost([fed[j] for j in group]) for group in _groups([n for _, n in fed], width))
             if cost > 0 and expected / cost > best_rate + 1e-9:  # (a cycle with no pass at all stays as it was)
                 best, best_rate = plan, expected / cost
     feeds = list(feeds)

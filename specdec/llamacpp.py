@@ -217,20 +217,30 @@ class LlamaCppModel:
             return pass_s[width] / pass_s[1]
         return pass_s[widest] / pass_s[1] + self.verify_slope * (width - widest)
 
-    def fused_pass_cost(self, widths: list[int]) -> float:
-        """Seconds of one pass over several sequences of a batch context, `widths` tokens each, in one-token passes.
+    def fused_pass_cost(self, items: list[tuple[LlamaCppRunner, int]]) -> float:
+        """Seconds of one forward_many over these runners' next tokens (that many each), in one-token passes.
 
         Over a cache that keeps each sequence apart (specdec's batch contexts), llama.cpp evaluates a pass in
-        sub-passes that take equally many tokens from every sequence in them: widths [3, 1, 3, 1] run as 4 x 1
-        tokens, then 2 x 2. Each sub-pass streams the weights once and costs what a pass over as many tokens of one
-        sequence costs (measured, AMD EPYC with AVX-512, 2 threads: 2 x 2, 1 x 4 and 4 x 1 tokens took 1.90-1.92
-        one-token passes, 8 x 1 and 2 x 4 3.04-3.09, [2, 1, 1, 1, 1, 1, 1, 1] 138 ms where 8 x 1 took 91)."""
-        cost, done = 0.0, 0
-        widths = sorted(w for w in widths if w > 0)
-        for i, w in enumerate(widths):
-            if w > done:
-                cost += self.verify_cost((len(widths) - i) * (w - done))
-                done = w
+        sub-passes, each over a run of sequences with consecutive ids that takes equally many tokens from every one
+        of them (llama_batch_allocr::split_equal). So widths [1, 3, 3, 1] over sequences 0-3 run as 4 x 1 tokens,
+        then 2 x 2; [3, 1, 3, 1] as 4 x 1, then 1 x 2 twice; sequences 0, 1, 3 and 4 as two sub-passes of two. Each sub-pass streams the weights once and
+        costs what a pass over as many tokens of one sequence costs (measured, AMD EPYC with AVX-512, 2 threads:
+        2 x 2, 1 x 4 and 4 x 1 tokens took 1.90-1.92 one-token passes; 8 x 1 tokens 96 ms over sequences 0-7 and
+        245 ms over 7, 6, ..., 0 in that order, before forward_many sorted them)."""
+        left = {runner.seq: n for runner, n in items if n > 0}
+        cost = 0.0
+        while left:
+            run = []
+            for seq in sorted(left):
+                if run and seq != run[-1] + 1:
+                    break
+                run.append(seq)
+            taken = min(left[seq] for seq in run)
+            cost += self.verify_cost(taken * len(run))
+            for seq in run:
+                left[seq] -= taken
+                if not left[seq]:
+                    del left[seq]
         return cost
 
     @property
@@ -274,11 +284,15 @@ class LlamaCppModel:
                                  "(new_batch_runner)")
             tokens = ids[0].tolist()
             runner._own_context(runner.length + len(tokens))
-            entries += [(runner, runner.length + i, token) for i, token in enumerate(tokens)]
+            entries += [(runner.seq, runner.length + i, token, True) for i, token in enumerate(tokens)]
         if len(entries) > BATCH:
             raise ValueError(f"one pass holds at most {BATCH} tokens, got {len(entries)}")
-        rows = _evaluate(context, [(runner.seq, position, token, True) for runner, position, token in entries],
-                         self.n_vocab)
+        # In order of sequence id: llama.cpp puts only sequences of consecutive ids, in increasing order, into one
+        # sub-pass (see fused_pass_cost); the rows come back in the order of the items.
+        order = sorted(range(len(entries)), key=lambda e: entries[e][:2])
+        rows = [None] * len(entries)
+        for e, row in zip(order, _evaluate(context, [entries[e] for e in order], self.n_vocab)):
+            rows[e] = row
         outputs, start = [], 0
         for runner, ids in items:
             n = ids.shape[1]
@@ -585,17 +599,21 @@ class _Slots:
     def __init__(self, context: _Context):
         self.context = context
         self.total = context.lib.llama_n_seq_max(context.ctx)
-        self.free = list(range(self.total))[::-1]
+        self.free = list(range(self.total))
 
     @property
     def idle(self) -> bool:
         return len(self.free) == self.total
 
     def take(self) -> int:
+        """The lowest free sequence id: the sequences in use stay consecutive where they can, so that a fused pass
+        over them runs as few sub-passes (LlamaCppModel.fused_pass_cost)."""
         if not self.free:
             raise RuntimeError(f"all {self.total} batch slots are in use: "
                                "close a runner first (or ask for more slots)")
-        return self.free.pop()
+        seq = min(self.free)
+        self.free.remove(seq)
+        return seq
 
     def give(self, seq: int) -> None:
         if self.context.ctx:

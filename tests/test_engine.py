@@ -132,14 +132,14 @@ def batch_decode(target, drafters_and_ks, prompts, max_new_tokens, pass_cost):
     return tokens
 
 
-def sub_passes(widths):
+def sub_passes(items):
     """llama.cpp's fused pass with free width: one unit per sub-pass (per step in the widths)."""
-    return float(len({w for w in widths if w}))
+    return float(len({n for _, n in items if n}))
 
 
-def tokens_fed(widths):
+def tokens_fed(items):
     """A pass that costs by its tokens alone: no draft token can pay for itself."""
-    return float(sum(widths))
+    return float(sum(n for _, n in items))
 
 
 @pytest.mark.parametrize("pass_cost", [sub_passes, tokens_fed])

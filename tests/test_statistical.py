@@ -149,10 +149,10 @@ def test_negative_control_wrong_warping_is_detected(monkeypatch):
     assert set(counts) & rare or chi_square_p_value(counts, expected) < ALPHA
 
 
-def sub_passes(widths: list[int]) -> float:
-    """A fused pass that costs by its sub-passes (one per step in the widths), as on llama.cpp, with each sub-pass
-    free of its width: batch_cycle's shape_pass then pads every draft to the longest."""
-    return float(len({w for w in widths if w}))
+def sub_passes(items: list[tuple[object, int]]) -> float:
+    """A fused pass that costs by its sub-passes (one per step in the runners' widths), as on llama.cpp, with each
+    sub-pass free of its width: batch_cycle's shape_pass then pads every draft to the longest."""
+    return float(len({n for _, n in items if n}))
 
 
 def sample_sequences_in_batches(n_new: int, sampling: SamplingConfig, batch: int = 4, pass_cost=None,
