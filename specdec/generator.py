@@ -243,6 +243,12 @@ class Batch:
         self.fused = hasattr(generator.target, "new_batch_runner")
         self.max_batch = DEFAULT_MAX_BATCH if max_batch is None else max_batch
         self.active: list[tuple[Request, Decoding]] = []
+        # The batch contexts now, with a slot per request for the target and for each request's draft-model drafter
+        # (whose forks would otherwise take the runtime's default number of slots).
+        for model in (generator.target, generator.draft):
+            reserve = getattr(model, "reserve_batch", None)
+            if reserve is not None:
+                reserve(self.max_batch)
 
     def has_room(self) -> bool:
         return self.room() > 0

@@ -256,12 +256,17 @@ class LlamaCppModel:
         """A sequence in a free slot of the model's batch context (made with `slots` sequences of up to `slot_tokens`
         tokens each; made again, bigger, when more slots are asked for while none is in use): such runners can share
         passes (forward_many). Its slot is freed when the runner is closed or collected."""
+        self.reserve_batch(slots, slot_tokens)
+        return LlamaCppRunner(self, vocab_size, slots=self._slots)
+
+    def reserve_batch(self, slots: int = DEFAULT_BATCH_SLOTS, slot_tokens: int = DEFAULT_SLOT_TOKENS) -> None:
+        """Make the batch context for at least `slots` sequences now rather than at the first new_batch_runner (a
+        server's first request would wait for it); an idle smaller one is made again, bigger."""
         if self._slots is not None and self._slots.total < slots and self._slots.idle:
             self._slots.context.free()
             self._slots = None
         if self._slots is None:
             self._slots = _Slots(_Context(self, min(slot_tokens, self.max_length), n_seq=slots))
-        return LlamaCppRunner(self, vocab_size, slots=self._slots)
 
     def free_batch_slots(self, slots: int = DEFAULT_BATCH_SLOTS) -> int:
         """Sequences that new_batch_runner(..., slots) can still start now."""

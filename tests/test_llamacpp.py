@@ -564,6 +564,30 @@ def test_generate_many_equals_generate_for_every_prompt_and_frees_its_slots(mode
     assert target.free_batch_slots() == llamacpp.DEFAULT_BATCH_SLOTS
 
 
+def test_a_batch_wider_than_the_default_has_its_slots_in_both_models_from_the_start(gguf_path, baseline):
+    """Batch() makes the batch contexts at once (a server's first request does not wait for them), with a slot per
+    request for the target and for the draft model's drafters too, which would otherwise run out past the default."""
+    from specdec import llamacpp
+    from specdec.generator import Batch
+
+    target, tokenizer = llamacpp.load(gguf_path, threads=1)  # its own: the shared one keeps the default slots
+    gen = SpeculativeGenerator(target, gguf_path, k=2, tokenizer=tokenizer)
+    width = llamacpp.DEFAULT_BATCH_SLOTS + 2
+    batch = Batch(gen, max_batch=width)
+    assert target.free_batch_slots() == gen.draft.free_batch_slots() == width  # made, before any request
+    prompts = [f"{PROMPTS[i % 2]}{' ' * (i // 2)}" for i in range(width)]
+    requests = [gen.request(prompt, max_new_tokens=10) for prompt in prompts]
+    for request in requests:
+        batch.add(request)
+    assert not batch.has_room()
+    while batch.active:
+        batch.step()
+    batch.close()
+    for prompt, request in zip(prompts, requests):
+        assert request.output.result().token_ids == baseline.generate(prompt, max_new_tokens=10).token_ids, prompt
+    assert target.free_batch_slots() == gen.draft.free_batch_slots() == width
+
+
 def test_batch_runners_refuse_what_they_cannot_do(model):
     target, _ = model
     runner = target.new_batch_runner(target.n_vocab)
