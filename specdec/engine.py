@@ -134,7 +134,8 @@ class Decoding:
         if n_draft < have:
             proposal = proposal.prefix(n_draft)
         elif n_draft > have:
-            proposal = proposal.padded(torch.cat([self.context, proposal.tokens], dim=1)[:, -1:], n_draft - have)
+            last = proposal.tokens[:, -1:] if have else self.context[:, -1:]
+            proposal = proposal.padded(last, n_draft - have)
         self._proposal, self.n_drafted = proposal, min(have, n_draft)
         return self._feed()
 
@@ -189,9 +190,10 @@ def batch_cycle(decodings: list[Decoding], width: int,
     own sequence (the runtime's calibrated batch width). Each decoding drafts within its share of it, except one
     with pinned_k (a seeded sample: how many tokens it drafts decides how its random stream is used, so it drafts as
     it would alone). pass_cost, where the runtime knows what a fused pass costs (in one-token passes, from each
-    runner and the number of tokens it feeds the pass), lets shape_pass cut or pad the drafts to the shape with the most expected tokens per unit
-    of cost. The target evaluates all of them in as few passes of at most `width` tokens as they fit in, and each
-    decoding verifies, commits and rolls back on its own: acceptance is ragged. -> each decoding's Step, in order.
+    runner and the number of tokens it feeds the pass), lets shape_pass cut or pad the drafts to the shape with the
+    most expected tokens per unit of cost. The target evaluates all of them in as few passes of at most `width`
+    tokens as they fit in, and each decoding verifies, commits and rolls back on its own: acceptance is ragged.
+    -> each decoding's Step, in order.
     """
     share = max(1, width // max(1, len(decodings)))
     feeds = [decoding.propose(None if decoding.pinned_k else share) for decoding in decodings]
@@ -210,9 +212,10 @@ def shape_pass(decodings: list[Decoding], feeds: list[torch.Tensor | None], widt
     A fused pass costs by its shape, not only by its token count: llama.cpp runs a pass whose sequences feed it
     different numbers of tokens as one sub-pass per step in those numbers, each streaming the weights once. So every
     draft may be cut to at most `cap` tokens, and the short ones then either left short (a ragged pass) or padded up
-    to `cap` with tokens the target will almost surely reject (one sub-pass). The candidate with the most expected
-    tokens (a draft of n tokens accepted with probability a each yields (1 - a^(n+1)) / (1 - a)) per unit of
-    pass_cost wins; cap 0 is plain decoding. A decoding with pinned_k keeps its draft. -> the feeds to evaluate.
+    to `cap` with filler tokens proposed with q = 1, which the target accepts only with its own probability (one
+    sub-pass). The candidate with the most expected tokens (a draft of n tokens accepted with probability a each
+    yields (1 - a^(n+1)) / (1 - a)) per unit of pass_cost wins; cap 0 is plain decoding. A decoding with pinned_k
+    keeps its draft. -> the feeds to evaluate.
     """
     live = [i for i, decoding in enumerate(decodings) if decoding.proposing]
     flexible = [i for i in live if not decodings[i].pinned_k]

@@ -218,15 +218,16 @@ class LlamaCppModel:
         return pass_s[widest] / pass_s[1] + self.verify_slope * (width - widest)
 
     def fused_pass_cost(self, items: list[tuple[LlamaCppRunner, int]]) -> float:
-        """Seconds of one forward_many over these runners' next tokens (that many each), in one-token passes.
+        """The cost of one forward_many over these runners' next tokens (that many each), in one-token passes.
 
         Over a cache that keeps each sequence apart (specdec's batch contexts), llama.cpp evaluates a pass in
         sub-passes, each over a run of sequences with consecutive ids that takes equally many tokens from every one
         of them (llama_batch_allocr::split_equal). So widths [1, 3, 3, 1] over sequences 0-3 run as 4 x 1 tokens,
-        then 2 x 2; [3, 1, 3, 1] as 4 x 1, then 1 x 2 twice; sequences 0, 1, 3 and 4 as two sub-passes of two. Each sub-pass streams the weights once and
-        costs what a pass over as many tokens of one sequence costs (measured, AMD EPYC with AVX-512, 2 threads:
-        2 x 2, 1 x 4 and 4 x 1 tokens took 1.90-1.92 one-token passes; 8 x 1 tokens 96 ms over sequences 0-7 and
-        245 ms over 7, 6, ..., 0 in that order, before forward_many sorted them)."""
+        then 2 x 2; [3, 1, 3, 1] as 4 x 1, then 1 x 2 twice; sequences 0, 1, 3 and 4 as two sub-passes of two.
+        Each sub-pass streams the weights once and costs what a pass over as many tokens of one sequence costs
+        (measured on a 2-core AMD EPYC with AVX-512, 2 threads: 2 x 2, 1 x 4 and 4 x 1 tokens took 1.90-1.92
+        one-token passes; 8 x 1 tokens 96 ms over sequences 0-7 and 245 ms over 7, 6, ..., 0 in that order, before
+        forward_many sorted them)."""
         left = {runner.seq: n for runner, n in items if n > 0}
         cost = 0.0
         while left:

@@ -166,8 +166,8 @@ def sample_sequences_in_batches(n_new: int, sampling: SamplingConfig, batch: int
     generator = make_generator(4321)
     for _ in range(DRAWS // batch):
         decodings = [Decoding(ToyRunner(VOCAB, seed=0), draft_model() if i % 2 else RepeatDrafter(),
-                              torch.tensor([PROMPT]), k=FixedK(ks[i % len(ks)]), max_new_tokens=n_new, sampling=sampling,
-                              generator=generator) for i in range(batch)]
+                              torch.tensor([PROMPT]), k=FixedK(ks[i % len(ks)]), max_new_tokens=n_new,
+                              sampling=sampling, generator=generator) for i in range(batch)]
         tokens: list[list[int]] = [[] for _ in decodings]
         while live := [i for i, d in enumerate(decodings) if not d.done]:
             for i, step in zip(live, batch_cycle([decodings[i] for i in live], width=64, pass_cost=pass_cost)):
