@@ -5,6 +5,9 @@ With llama.cpp's default weight layouts (repacked for the CPU, AMX tiles where t
 crashed with a segmentation fault on an Intel Xeon with AMX, taking the whole benchmark down. In a worker process a
 crash only ends the worker: the peer then starts a new one with the repacked layouts off (which works there; specdec's
 own runtime times the layouts in a worker too, and a crash there means off) and says so in the report.
+
+The worker runs llama.cpp's own kernels: the library specdec installs carries its kernel patch (native/), which the
+worker switches off (GGML_CPU_MULTI_COLUMN=0), so the baseline is llama.cpp as released.
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ class LlamaCppPythonPeer:
 
 def _serve(connection, model_path: str, settings: dict, lookup_tokens: int | None, repack: bool) -> None:
     """The worker: answer (prompt, max_new_tokens, eos_ids) with ("ok", tokens) or ("error", message) until None."""
+    import os
+
+    os.environ["GGML_CPU_MULTI_COLUMN"] = "0"  # llama.cpp's own kernels; read when the first pass runs
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
