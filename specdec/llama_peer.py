@@ -46,7 +46,7 @@ class LlamaCppPythonPeer:
             return f"repacked weight layouts off: with llama.cpp's defaults its worker {self.crash} on this CPU"
         if not self.repack:
             return "repacked weight layouts off, as specdec's runtime loads weights"
-        return "llama.cpp defaults (repacked weight layouts where the CPU has them)"
+        return "llama.cpp defaults and its own kernels (repacked weight layouts where the CPU has them)"
 
     def generate(self, prompt: list[int], max_new_tokens: int, eos_ids: frozenset[int]) -> list[int]:
         """New tokens, cut before the first end-of-sequence token. A crash with the default layouts is retried once
