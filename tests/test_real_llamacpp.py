@@ -198,13 +198,14 @@ def test_negative_control_the_exactness_check_catches_llama_cpps_own_multi_token
     assert widths == {"16": max(llamacpp.CALIBRATION_WIDTHS)}  # the same file and context, with the patched kernels
 
 
-# One-token passes with llama.cpp's own kernels (GGML_CPU_MULTI_COLUMN=0), saved for the parent to compare.
-_OWN_KERNELS_LOGITS = """
+# llama.cpp's own kernels (GGML_CPU_MULTI_COLUMN=0): after 40 and after 600 tokens, 8 one-token passes each, and
+# after 40 tokens one pass over the same 8 tokens; saved for the parent to compare.
+_OWN_KERNELS = """
 import sys, torch
 from specdec import llamacpp, registry
 layout = {"True": True, "False": False, "None": None}
 model = llamacpp.LlamaCppModel(registry.gguf_file(sys.argv[1]), threads=2, repack=layout[sys.argv[2]],
-                               prefill_repack=layout[sys.argv[4]])
+                               prefill_repack=layout[sys.argv[3]])
 tokens = llamacpp._probe_tokens(model, 600 + 8)
 runner = llamacpp.LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
 found = []
@@ -212,7 +213,10 @@ for length in (40, 600):
     runner.rollback(0)
     runner.forward(tokens[:, :length], last_only=True)
     found.append(llamacpp._one_token_logits(runner, tokens[:, length:length + 8]))
-torch.save(torch.stack(found), sys.argv[3])
+runner.rollback(0)
+runner.forward(tokens[:, :40], last_only=True)
+found.append(runner.forward(tokens[:, 40:48])[0])
+torch.save(torch.stack(found), sys.argv[4])
 """
 
 
@@ -233,49 +237,26 @@ def test_one_token_passes_equal_llama_cpps_own_kernels_bit_for_bit(pair, role, t
         pytest.skip("the patched kernels are x86 AVX2 code; other CPUs keep llama.cpp's own")
     model = getattr(pair[0], role)
     name = registry.DEFAULT_TARGET if role == "target" else registry.DEFAULT_DRAFT
-    saved = tmp_path / "own.pt"
     prefill_layout = None if model.prefill_model is None else model.prefill_model.repack  # prompts: the same layout
-    result = subprocess.run([sys.executable, "-c", _OWN_KERNELS_LOGITS, name, str(model.repack), str(saved),
-                             str(prefill_layout)],
-                            env={**os.environ, "GGML_CPU_MULTI_COLUMN": "0"}, capture_output=True, text=True,
-                            timeout=600)
+    saved = tmp_path / "own.pt"
+    result = subprocess.run([sys.executable, "-c", _OWN_KERNELS, name, str(model.repack), str(prefill_layout),
+                             str(saved)], env={**os.environ, "GGML_CPU_MULTI_COLUMN": "0"}, capture_output=True,
+                            text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    theirs = torch.load(saved)
+    one_after_40, one_after_600, wide_after_40 = torch.load(saved)
     tokens = llamacpp._probe_tokens(model, 600 + 8)
     runner = llamacpp.LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
-    for i, length in enumerate((40, 600)):
+    for length, theirs in ((40, one_after_40), (600, one_after_600)):
         runner.rollback(0)
         runner.forward(tokens[:, :length], last_only=True)
         ours = llamacpp._one_token_logits(runner, tokens[:, length:length + 8])
-        assert torch.equal(ours, theirs[i]), (length, (ours - theirs[i]).abs().max().item())
-    # the check can fail: llama.cpp's own 8-token pass rounds differently from its one-token passes (in either layout)
-    assert not torch.equal(theirs[0], _own_kernels_eight_token_pass(name, model.repack, tmp_path))
-
-
-_OWN_KERNELS_WIDE = """
-import sys, torch
-from specdec import llamacpp, registry
-model = llamacpp.LlamaCppModel(registry.gguf_file(sys.argv[1]), threads=2, repack=sys.argv[2] == "True")
-tokens = llamacpp._probe_tokens(model, 16 + 8)
-runner = llamacpp.LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
-runner.forward(tokens[:, :16], last_only=True)
-torch.save(runner.forward(tokens[:, 16:])[0], sys.argv[3])
-"""
-
-
-def _own_kernels_eight_token_pass(name: str, repack: bool, directory) -> "torch.Tensor":
-    """Logits of one 8-token pass after 16 tokens with llama.cpp's own kernels (in a fresh process)."""
-    import subprocess
-    import sys
-
-    import torch
-
-    saved = directory / "wide.pt"
-    result = subprocess.run([sys.executable, "-c", _OWN_KERNELS_WIDE, name, str(repack), str(saved)],
-                            env={**os.environ, "GGML_CPU_MULTI_COLUMN": "0"}, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return torch.load(saved)
+        assert torch.equal(ours, theirs), (length, (ours - theirs).abs().max().item())
+    # The comparison can fail: llama.cpp's own 8-token pass over the same tokens rounds differently from its one-token
+    # passes (in either layout), and ours gives the one-token logits.
+    assert not torch.equal(wide_after_40, one_after_40)
+    runner.rollback(0)
+    runner.forward(tokens[:, :40], last_only=True)
+    assert torch.equal(runner.forward(tokens[:, 40:48])[0], one_after_40)
 
 
 def test_generate_many_on_the_default_pair_equals_each_prompts_own_output(pair):
