@@ -231,7 +231,8 @@ def shape_pass(decodings: list[Decoding], feeds: list[torch.Tensor | None], widt
                 plan[i] = min(max(drafted[i], cap) if pad else drafted[i], cap, decodings[i].max_draft)
             expected = sum(expected_tokens(acceptance[i], min(plan[i], drafted[i])) for i in live)
             fed = [(decodings[i].target, decodings[i].feed_width(plan[i])) for i in live]
-            cost = sum(pass_cost([fed[j] for j in group]) for group in _groups([n for _, n in fed], width))
+            groups = _groups([n for _, n in fed], [_pass_limit(runner, width) for runner, _ in fed])
+            cost = sum(pass_cost([fed[j] for j in group]) for group in groups)
             if cost > 0 and expected / cost > best_rate + 1e-9:  # (a cycle with no pass at all stays as it was)
                 best, best_rate = plan, expected / cost
     feeds = list(feeds)
@@ -243,9 +244,11 @@ def shape_pass(decodings: list[Decoding], feeds: list[torch.Tensor | None], widt
 
 def fused_forward(items: list[tuple[Runner, torch.Tensor]], width: int) -> list[torch.Tensor]:
     """Each runner's logits for its tokens [1, n], evaluated in passes of at most `width` tokens in all: one pass per
-    group where the runners' model can evaluate several sequences at once (forward_many), else one per runner."""
+    group where the runners' model can evaluate several sequences at once (forward_many), else one per runner. A
+    sequence shares a pass only as wide as its own exact width where it stands (verify_width: beyond the context
+    lengths the runtime checked, one token), so every token gets the logits of a one-token pass of its sequence."""
     outputs = []
-    for indices in _groups([tokens.shape[1] for _, tokens in items], width):
+    for indices in _groups([tokens.shape[1] for _, tokens in items], [_pass_limit(r, width) for r, _ in items]):
         group = [items[i] for i in indices]
         model = getattr(group[0][0], "model", None)
         forward_many = getattr(model, "forward_many", None)
@@ -256,18 +259,23 @@ def fused_forward(items: list[tuple[Runner, torch.Tensor]], width: int) -> list[
     return outputs
 
 
-def _groups(widths: list[int], width: int) -> list[list[int]]:
-    """Consecutive items of these token counts, grouped into passes of at most `width` tokens (an item wider than
-    that gets a pass of its own) -> the items' indices, pass by pass."""
-    groups, size = [], width
-    for i, n in enumerate(widths):
+def _pass_limit(runner: Runner, width: int) -> int:
+    """The most tokens a fused pass that holds this runner's next tokens may hold."""
+    return min(width, verify_width(runner, runner.length, width))
+
+
+def _groups(widths: list[int], limits: list[int]) -> list[list[int]]:
+    """Consecutive items of these token counts, grouped into passes that hold at most the smallest limit of their
+    items (an item wider than its limit gets a pass of its own) -> the items' indices, pass by pass."""
+    groups, size, cap = [], 0, 0
+    for i, (n, limit) in enumerate(zip(widths, limits)):
         if not n:
             continue
-        if size + n > width:
+        if not groups or size + n > min(cap, limit):
             groups.append([])
-            size = 0
+            size, cap = 0, limit
         groups[-1].append(i)
-        size += n
+        size, cap = size + n, min(cap, limit)
     return groups
 
 

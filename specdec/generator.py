@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -242,10 +243,16 @@ class Batch:
         self.generator = generator
         self.fused = hasattr(generator.target, "new_batch_runner")
         self.max_batch = DEFAULT_MAX_BATCH if max_batch is None else max_batch
+        if self.fused and not generator.target.prefills_in_slots_exactly:
+            # The calibration found that a prompt prefilled in a batch slot is not the prompt prefilled alone: one
+            # request at a time then, in the model's own context, exactly as generate() runs it.
+            print("specdec: on this CPU a prompt prefilled in a batch slot differs from one prefilled alone; "
+                  "requests are served one at a time", file=sys.stderr)
+            self.fused, self.max_batch = False, 1
         self.active: list[tuple[Request, Decoding]] = []
         # The batch contexts now, with a slot per request for the target and for each request's draft-model drafter
         # (whose forks would otherwise take the runtime's default number of slots).
-        for model in (generator.target, generator.draft):
+        for model in (generator.target, generator.draft) if self.fused else ():
             reserve = getattr(model, "reserve_batch", None)
             if reserve is not None:
                 reserve(self.max_batch)

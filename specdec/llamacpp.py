@@ -158,7 +158,7 @@ class LlamaCppModel:
         self._context: _Context | None = None
         self._costs: dict | None = None
         self._exact_widths: dict[int, int] | None = None
-        self._batch_width: int | None = None
+        self._batch_calibration: dict | None = None
         self._slots: _Slots | None = None  # the batch context, created by the first new_batch_runner
         # Prompts in the other weight layout where that is faster (measured per CPU: on an AVX-512 EPYC, llama.cpp's
         # tiled kernels over the plain layout prefilled 192 tokens in 1.45 s, its repacked layout in 2.05 s, while
@@ -311,9 +311,19 @@ class LlamaCppModel:
     def batch_width(self) -> int:
         """The most tokens, over one or several sequences, that a pass may hold while every token still gets the
         logits of a one-token pass of its own sequence (measured once, like exact_widths: see measure_batch_width)."""
-        if self._batch_width is None:
-            self._batch_width = _cached(self, "batching", measure_batch_width)["batch_width"]
-        return min(self._batch_width, min(self.exact_widths.values()))
+        return min(self._batching["batch_width"], min(self.exact_widths.values()))
+
+    @property
+    def prefills_in_slots_exactly(self) -> bool:
+        """Whether a prompt prefilled in a batch slot, beside other sequences, gives the logits and cache of a prompt
+        prefilled alone (measure_batch_width). Where it does not, a batch must serve one request at a time."""
+        return self._batching["prefill_in_slot_exact"]
+
+    @property
+    def _batching(self) -> dict:
+        if self._batch_calibration is None:
+            self._batch_calibration = _cached(self, "batching", measure_batch_width)
+        return self._batch_calibration
 
     def _claim(self, owner: LlamaCppRunner) -> _Context:
         """The model's context, emptied and handed to owner (created on first use)."""
@@ -366,7 +376,7 @@ CALIBRATION_WIDTHS = range(2, 17)  # pass widths checked: up to 15 draft tokens,
 # Cached tokens before the checked passes: short; past the 512 cells where ggml's attention changes strategy for f16
 # caches; and a long context (prompts of a few pages). Beyond the longest, the engine verifies one token at a time.
 CALIBRATION_CONTEXTS = (16, 600, 4096)
-CALIBRATION_VERSION = 4  # bump when what is measured changes: older cached results are then measured again
+CALIBRATION_VERSION = 5  # bump when what is measured changes: older cached results are then measured again
 
 
 def _cached(model: LlamaCppModel, kind: str, measure) -> dict:
@@ -387,7 +397,8 @@ def _cached_json(path: Path, kind: str, settings: str, measure, describe: dict) 
     cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "") if os.path.exists(
         "/proc/cpuinfo") else os.uname().machine
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('llama_cpp_python')}|"
-                         f"{_kernels_id()}|{cpu}|{settings}|{CALIBRATION_VERSION}".encode()).hexdigest()[:24]
+                         f"{_kernels_id()}|{multi_column_kernels()}|{cpu}|{settings}|{CALIBRATION_VERSION}".encode()
+                         ).hexdigest()[:24]
     cached = registry.cache_root() / "calibration" / f"{path.stem}-{kind}-{key}.json"
     try:
         return json.loads(cached.read_text())["measured"]
@@ -399,6 +410,17 @@ def _cached_json(path: Path, kind: str, settings: str, measure, describe: dict) 
     partial.write_text(json.dumps({"model": str(path), **describe, "measured": found}) + "\n")
     partial.replace(cached)
     return found
+
+
+def multi_column_kernels() -> bool:
+    """Whether the patched kernels take multi-token passes in this process: GGML_CPU_MULTI_COLUMN=0 switches them off
+    (as the patch reads it, like C's atoi), and then llama.cpp's own kernels, exact at other widths, take every pass.
+    Part of every calibration's cache key, so that one made with the patch on is never read with it off."""
+    import re
+
+    setting = os.environ.get("GGML_CPU_MULTI_COLUMN")
+    digits = re.match(r"\s*[+-]?\d+", setting or "")
+    return setting is None or (digits is not None and int(digits.group()) != 0)
 
 
 @functools.cache
@@ -544,38 +566,77 @@ def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contex
     return {"exact_width": found}
 
 
-def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS) -> dict:
-    """Several sequences in one pass: for each w in widths, w sequences (different prompts, one new token each) and
-    a ragged mix (one sequence with the rest of the w tokens) evaluated together against each sequence's own
-    one-token passes -> {"batch_width": the largest w such that every fused pass of 2..w tokens gave every token its
-    one-token logits bit for bit (1 if none did)}."""
+def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_CONTEXTS,
+                        slot_tokens: int = DEFAULT_SLOT_TOKENS) -> dict:
+    """The shapes a batch's passes take, each against its sequences' own one-token passes in a context of their own.
+
+    A batch context holds max(widths) sequences of different lengths (each calibrated context length, capped by the
+    slot size), in slots that held another sequence before. Each prompt is prefilled in its slot beside the others
+    and must give the logits and cache of a prompt prefilled alone. Then, for each w in widths, the fused passes a
+    scheduler makes of w tokens: one token from each of w sequences (consecutive sequence ids, and ids with gaps
+    where slots were freed), a ragged mix (one sequence with w - 1 tokens beside one with 1), an uneven spread, and
+    one sequence alone verifying w tokens in its slot. -> {"batch_width": the largest w such that every pass of
+    2..w tokens gave every token its one-token logits bit for bit (1 if none did), "prefill_in_slot_exact": whether
+    prompts prefilled in slots equalled prompts prefilled alone, "contexts": the lengths checked}."""
     n = max(widths)
-    prompts = [_probe_tokens(model, 40 + 3 * i)[:, 1 + i:] for i in range(n)]  # n different prompts of 39-60 tokens
-    solo = []
-    for prompt in prompts:  # each sequence alone: its next n tokens one pass at a time
-        runner = LlamaCppRunner(model, model.n_vocab, private_context=prompt.shape[1] + n)
-        runner.forward(prompt[:, :-n], last_only=True)
-        solo.append(_one_token_logits(runner, prompt[:, -n:]))
-    slots = _Slots(_Context(model, 64 + n, n_seq=n))
-    runners = [LlamaCppRunner(model, model.n_vocab, slots=slots) for _ in prompts]
-    for runner, prompt in zip(runners, prompts):
-        runner.forward(prompt[:, :-n], last_only=True)
+    longest = min(slot_tokens, model.max_length) - n
+    lengths = sorted({min(length, longest) for length in contexts})
+    prefix_of = [lengths[i % len(lengths)] for i in range(n)]  # slot i's context length
+    continuations = [_probe_tokens(model, n * (i + 2))[:, -n:] for i in range(n)]  # [1, n] each, all different
+    prompts = {length: _probe_tokens(model, length + 1)[:, 1:] for length in lengths}  # [1, length]
+    alone_prefill, alone = {}, [None] * n
+    for length, prompt in prompts.items():  # each prompt alone, then each of its slots' continuations one at a time
+        runner = LlamaCppRunner(model, model.n_vocab, private_context=length + n)
+        alone_prefill[length] = runner.forward(prompt, last_only=True)
+        for i in (i for i in range(n) if prefix_of[i] == length):
+            runner.rollback(length)
+            alone[i] = _one_token_logits(runner, continuations[i])
+    slots = _Slots(_Context(model, longest + n, n_seq=n))
+    earlier = [LlamaCppRunner(model, model.n_vocab, slots=slots) for _ in range(n)]
+    for runner in earlier:  # every slot held a sequence before: a server's slots are reused
+        runner.forward(prompts[lengths[-1]][:, :40])
+        runner.close()
+    runners = [LlamaCppRunner(model, model.n_vocab, slots=slots) for _ in range(n)]
+    prefill_exact, states = True, {}
+    for i, runner in enumerate(runners):
+        length = prefix_of[i]
+        if length in states:  # a copy of the slot prefilled before: equal contents, at no second prefill's cost
+            slots.context.load_state(states[length], runner.seq)
+            runner._length = length
+        else:
+            prefill_exact &= torch.equal(runner.forward(prompts[length], last_only=True), alone_prefill[length])
+            states[length] = slots.context.save_state(runner.seq)
     widest = 1
     for width in widths:
-        mixes = [[(i, 1) for i in range(width)], [(0, width - 1), (1, 1)]]  # one token each; ragged
         exact = True
-        for mix in mixes:
-            items = [(runners[i], prompts[i][:, -n:][:, :count]) for i, count in mix]
-            for (i, count), logits in zip(mix, model.forward_many(items)):
-                exact = exact and torch.equal(logits[0], solo[i][:count])
-                runners[i].rollback(prompts[i].shape[1] - n)
+        for mix in batch_mixes(width, n):
+            items = [(runners[i], continuations[i][:, :count]) for i, count in mix]
+            outputs = model.forward_many(items) if len(items) > 1 else [items[0][0].forward(items[0][1])]
+            for (i, count), logits in zip(mix, outputs):
+                exact &= torch.equal(logits[0], alone[i][:count])
+                runners[i].rollback(prefix_of[i])
         if not (exact and widest == width - 1):
             break
         widest = width
     for runner in runners:
         runner.close()
     slots.context.free()
-    return {"batch_width": widest}
+    return {"batch_width": widest, "prefill_in_slot_exact": bool(prefill_exact), "contexts": lengths}
+
+
+def batch_mixes(width: int, slots: int) -> list[list[tuple[int, int]]]:
+    """The fused passes of `width` tokens that a batch over `slots` sequences can make, as (slot, tokens) lists:
+    one token from each of `width` sequences with consecutive ids and with gaps between ids, one sequence with
+    width - 1 tokens beside one with 1, tokens spread unevenly (3, 1, 2, 3, 1, 2, ...), and one sequence alone."""
+    spaced = [*range(0, slots, 2), *range(1, slots, 2)]
+    spread, total, i = [], 0, 0
+    while total < width:
+        count = min((3, 1, 2)[i % 3], width - total)
+        spread.append((i % slots, count))
+        total, i = total + count, i + 1
+    alone = [[(slot, width)] for slot in range(min(3, slots))]  # a batch of one, at each context length
+    return [[(i, 1) for i in range(width)], [(spaced[i], 1) for i in range(width)],
+            [(min(2, slots - 1), width - 1), (0, 1)], spread, *alone]
 
 
 def _evaluate(context: _Context, entries: list[tuple[int, int, int, bool]], n_vocab: int) -> list[np.ndarray]:

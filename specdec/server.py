@@ -79,6 +79,7 @@ class _Body(BaseModel):
     n: int | None = None  # only 1
     stream: bool | None = None
     stream_options: _StreamOptions | None = None
+    return_token_ids: bool | None = None  # not OpenAI's: as vLLM, each choice also carries its "token_ids"
 
 
 class CompletionBody(_Body):
@@ -307,6 +308,7 @@ class _Reply:
     chat: bool
     model: str
     prompt_tokens: int
+    with_token_ids: bool = False  # each choice carries the ids of its tokens (return_token_ids)
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -321,12 +323,14 @@ class _Reply:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": stats.new_tokens,
                 "total_tokens": self.prompt_tokens + stats.new_tokens}
 
-    def whole(self, text: str, last: Chunk) -> dict:
+    def whole(self, text: str, token_ids: list[int], last: Chunk) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
                       "finish_reason": last.finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        if self.with_token_ids:
+            choice["token_ids"] = token_ids
         return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
                               usage=self.usage(last.stats), specdec=last.stats.to_dict())
 
@@ -336,6 +340,8 @@ class _Reply:
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": chunk.finish_reason}
         else:
             choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
+        if self.with_token_ids:
+            choice["token_ids"] = chunk.token_ids
         extra = {"specdec": chunk.stats.to_dict()} if with_stats else {}
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
@@ -538,7 +544,7 @@ class _Service:
     async def respond(self, request: Request, body: _Body, prompt_ids: list[int], settings: dict, chat: bool,
                       started: float) -> Response:
         endpoint = request.url.path
-        reply = _Reply(chat, self.model_name, len(prompt_ids))
+        reply = _Reply(chat, self.model_name, len(prompt_ids), bool(body.return_token_ids))
         try:
             generation = self.generator.request(prompt_ids, **settings)
         except ValueError as error:
@@ -556,17 +562,18 @@ class _Service:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _TurnStream(_events(turn, first, reply, include_usage), turn)
-        texts, last = [first.text], first
+        texts, token_ids, last = [first.text], list(first.token_ids), first
         try:
             while last.finish_reason is None:
                 chunk = await turn.next(request)
                 if chunk is None or (chunk.finish_reason is None and await request.is_disconnected()):
                     return Response(status_code=499)  # the client left: the scheduler drops it before its next cycle
                 texts.append(chunk.text)
+                token_ids += chunk.token_ids
                 last = chunk
         finally:
             turn.close()
-        return JSONResponse(reply.whole("".join(texts), last))
+        return JSONResponse(reply.whole("".join(texts), token_ids, last))
 
 
 def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | None = None,

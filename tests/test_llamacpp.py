@@ -536,15 +536,72 @@ def test_a_prompt_prefilled_by_a_second_model_continues_as_if_prefilled_here(ggu
 
 # --- several sequences in one pass (generate_many) -------------------------------------------------------------------
 
-def test_a_fused_pass_gives_each_sequence_its_own_logits(model):
-    """The batch calibration on this file: fused passes of up to 16 tokens over several sequences (one token each, and
-    ragged) reproduce each sequence's one-token passes bit for bit."""
+def test_the_batch_calibration_checks_the_shapes_a_server_makes(model):
+    """The batch calibration on this file: prompts prefilled in reused slots beside other sequences, then fused
+    passes of up to 16 tokens over sequences of 16 to 4,080 cached tokens (one token each, ids with gaps, ragged,
+    spread, one sequence alone) reproduce each sequence's own one-token passes bit for bit."""
     from specdec import llamacpp
 
     target, _ = model
     widest = max(llamacpp.CALIBRATION_WIDTHS)
-    assert llamacpp.measure_batch_width(target) == {"batch_width": widest}
-    assert target.batch_width == widest
+    assert llamacpp.measure_batch_width(target) == {"batch_width": widest, "prefill_in_slot_exact": True,
+                                                    "contexts": [16, 600, llamacpp.DEFAULT_SLOT_TOKENS - widest]}
+    assert target.batch_width == widest and target.prefills_in_slots_exactly
+    mixes = llamacpp.batch_mixes(5, 16)
+    assert all(sum(n for _, n in mix) == 5 and len({s for s, _ in mix}) == len(mix) for mix in mixes)
+    assert [s for s, _ in mixes[1]] == [0, 2, 4, 6, 8]  # ids with gaps, as slots freed in between leave them
+
+
+def nudged(logits: torch.Tensor) -> torch.Tensor:
+    """The logits one float step away in one place: what a kernel that rounds differently would give."""
+    logits[0, 0, 0] = torch.nextafter(logits[0, 0, 0], torch.tensor(float("inf")))
+    return logits
+
+
+def test_negative_control_the_batch_calibration_catches_an_inexact_shape_and_an_inexact_prefill(model,
+                                                                                                monkeypatch):
+    """A target whose fused passes over sequence ids with gaps are one float step off from 5 tokens on calibrates
+    to a batch width of 4; one whose prompts prefilled in slots are off is found out too."""
+    from specdec import llamacpp
+
+    target, _ = model
+    exact_forward_many = target.forward_many
+
+    def off_with_gaps(items):
+        outputs = exact_forward_many(items)
+        seqs = sorted(runner.seq for runner, _ in items)
+        gaps = any(b - a > 1 for a, b in zip(seqs, seqs[1:]))
+        return [nudged(o) for o in outputs] if gaps and sum(t.shape[1] for _, t in items) >= 5 else outputs
+
+    monkeypatch.setattr(target, "forward_many", off_with_gaps)
+    found = llamacpp.measure_batch_width(target)
+    assert found["batch_width"] == 4 and found["prefill_in_slot_exact"]
+    monkeypatch.setattr(target, "forward_many", exact_forward_many)
+    exact_forward = llamacpp.LlamaCppRunner.forward
+
+    def prefill_off_in_slots(runner, ids, last_only=False):
+        fresh_slot = runner.length == 0 and runner.context.n_seq > 1
+        logits = exact_forward(runner, ids, last_only)
+        return nudged(logits) if fresh_slot and ids.shape[1] > 100 else logits
+
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "forward", prefill_off_in_slots)
+    assert llamacpp.measure_batch_width(target)["prefill_in_slot_exact"] is False
+
+
+def test_where_prompts_prefilled_in_slots_are_not_exact_a_batch_serves_one_request_at_a_time(model, baseline,
+                                                                                            monkeypatch):
+    from specdec import llamacpp
+    from specdec.generator import Batch
+
+    target, tokenizer = model
+    monkeypatch.setattr(llamacpp.LlamaCppModel, "prefills_in_slots_exactly", False)
+    gen = SpeculativeGenerator(target, "suffix", tokenizer=tokenizer)
+    batch = Batch(gen, max_batch=4)
+    assert batch.room() == 1
+    prompts = PROMPTS + ["Once upon a time", "def add(a, b):"]
+    together = gen.generate_many(prompts, max_new_tokens=16)
+    assert [out.token_ids for out in together] == [baseline.generate(p, max_new_tokens=16).token_ids
+                                                   for p in prompts]
 
 
 def test_generate_many_equals_generate_for_every_prompt_and_frees_its_slots(model, baseline):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from specdec import SpeculativeGenerator, registry
 from specdec.runtimes import LLAMA_CPP, runtime_of
@@ -267,3 +268,69 @@ def test_generate_many_on_the_default_pair_equals_each_prompts_own_output(pair):
     for prompt, out in zip(prompts, together):
         assert out.token_ids == baseline.generate(prompt, max_new_tokens=32, chat=True).token_ids
     assert speculative.target.batch_width == 16
+
+
+def concurrent_prompts(generator) -> list[str]:
+    """16 real prompts of 40 to 1,000+ tokens (the long one first, so that it decodes beside the others)."""
+    from specdec.bench import load
+    from specdec.bench.workloads import TASKS
+
+    long = "List every person named in these news articles."
+    for prompt in TASKS["summarisation"].load():
+        if len(generator.encode(long, chat=True)[0]) > 1200:
+            break
+        long += "\n\n" + prompt.text.split("\n\n", 1)[1]
+    return [long, *load.load_prompts(generator, 15, ("code", "summarisation", "maths"), 700)]
+
+
+@pytest.fixture(scope="module")
+def concurrent_references(pair):
+    _, baseline = pair
+    prompts = concurrent_prompts(baseline)
+    return {p: baseline.generate(p, max_new_tokens=CONCURRENT_TOKENS, chat=True).token_ids for p in prompts}
+
+
+CONCURRENT_TOKENS = 24
+
+
+@pytest.mark.parametrize("drafting", [True, False], ids=["default-drafter", "target-only"])
+def test_concurrent_load_through_the_server_gives_every_request_its_solo_answer(pair, concurrent_references,
+                                                                               drafting):
+    """8 clients of the OpenAI client, 2 requests each (the second wave takes slots that others left while the rest
+    still decode), starting at staggered moments, prompts of 40 to 1,000+ tokens: every answer equals the prompt's
+    generate() alone, token for token, with the server's default drafter and without one."""
+    from specdec.bench import load
+
+    speculative, baseline = pair
+    gen = (SpeculativeGenerator(speculative.target, speculative.drafter, tokenizer=speculative.tokenizer)
+           if drafting else baseline)
+    results = load.run_load(gen, list(concurrent_references), clients=[8], requests=2, max_tokens=CONCURRENT_TOKENS,
+                            max_batch=8, stagger=1.5, one_at_a_time=False, references=concurrent_references)
+    (row,) = results["rows"]
+    assert row["failed"] == 0, row["errors"]
+    assert row["identical"] == row["requests"] == 16, row["different"]
+
+
+def test_negative_control_the_load_comparison_catches_a_batch_that_flips_near_ties(pair, concurrent_references,
+                                                                                  monkeypatch):
+    """The same load through a target whose fused passes lean towards each row's runner-up token (as a kernel that
+    rounds differently would flip a near-tie): the comparison must see answers change."""
+    from specdec.bench import load
+
+    _, baseline = pair
+    target = baseline.target
+    exact_forward_many = target.forward_many
+
+    def leaning(items):
+        outputs = exact_forward_many(items)
+        for logits in outputs:
+            runner_up = logits.topk(2, dim=-1).indices[..., 1:]  # [1, n, 1]
+            logits.scatter_add_(-1, runner_up, torch.full(runner_up.shape, 1.5, dtype=logits.dtype))
+        return outputs
+
+    monkeypatch.setattr(target, "forward_many", leaning)
+    results = load.run_load(baseline, list(concurrent_references), clients=[8], requests=2,
+                            max_tokens=CONCURRENT_TOKENS, max_batch=8, stagger=1.5, one_at_a_time=False,
+                            references=concurrent_references)
+    (row,) = results["rows"]
+    assert row["failed"] == 0 and row["identical"] < row["requests"]

@@ -104,6 +104,22 @@ def test_greedy_completion_equals_generate(client, generator):
         assert stats["mean_accepted_length"] >= 1
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_return_token_ids_gives_each_answers_tokens_streamed_or_not(client, generator, chat):
+    """The extension vLLM offers too: each choice carries its token ids, so a client can compare answers token for
+    token (specdec load does). Only when asked."""
+    ref = generator.generate("hello", chat=chat, max_new_tokens=20)
+    create = client.chat.completions.create if chat else client.completions.create
+    prompt = {"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "hello"}
+    whole = create(model=MODEL, max_tokens=20, temperature=0, extra_body={"return_token_ids": True}, **prompt)
+    assert whole.choices[0].model_extra["token_ids"] == ref.token_ids
+    streamed = [c for c in create(model=MODEL, max_tokens=20, temperature=0, stream=True,
+                                  extra_body={"return_token_ids": True}, **prompt) if c.choices]
+    assert [t for c in streamed for t in c.choices[0].model_extra["token_ids"]] == ref.token_ids
+    plain = create(model=MODEL, max_tokens=20, temperature=0, **prompt)
+    assert "token_ids" not in plain.choices[0].model_extra
+
+
 def test_prompt_as_token_ids(client, generator):
     ids = generator.encode("abc")[0].tolist()
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
@@ -439,11 +455,12 @@ def test_load_generator_drives_both_servers_and_checks_every_answer(generator, t
     rows = results["rows"]
     assert [(r["server"], r["clients"]) for r in rows] == [("one at a time", 1), ("batched (max 4)", 1),
                                                            ("one at a time", 2), ("batched (max 4)", 2)]
-    assert all(r["identical"] == r["requests"] == 2 * r["clients"] and r["tokens"] > 0 for r in rows)
+    assert all(r["identical"] == r["requests"] == 2 * r["clients"] and r["tokens"] > 0 and not r["different"]
+               for r in rows)
     assert all(r["failed"] == 0 and not r["errors"] and r["peak_rss_mb"] >= results["rss_before_mb"] * 0.5
                for r in rows)
     text = load.report(results)
-    assert "| 2 | batched (max 4) |" in text and "identical to generate" in text
+    assert "| 2 | 1 | batched (max 4) | 4/4 |" in text and "token for token: 12/12" in text
     load.plot(results, tmp_path / "throughput.png")
     assert (tmp_path / "throughput.png").stat().st_size > 0
     with pytest.raises(ValueError, match="--clients"):
@@ -460,7 +477,8 @@ def test_load_prompts_come_from_the_chosen_tasks_in_turn_and_unknown_tasks_are_r
     assert prompts[2].startswith("Solve this maths") and prompts[2] != prompts[0]
     with pytest.raises(ValueError, match="no prompt of maths has at most 2 tokens"):
         load.load_prompts(generator, 2, ("maths",), max_tokens=2)
-    args = argparse.Namespace(clients="1", requests=1, max_tokens=8, max_batch=4, tasks="maths,poetry")
+    args = argparse.Namespace(clients="1", requests=1, max_tokens=8, max_batch=4, tasks="maths,poetry", rounds=1,
+                              max_prompt_tokens=160, stagger=0.0, only_batched=False)
     with pytest.raises(ValueError, match="--tasks takes some of code, summarisation, maths"):
         load.run_load_command(args)
 
@@ -471,7 +489,7 @@ def test_load_generator_counts_failed_requests_and_goes_on(generator):
     from specdec.bench import load
 
     prompts = ["ab", "cd", "ef"]
-    references = {p: generator.generate(p, max_new_tokens=16, chat=True).text for p in prompts}
+    references = {p: generator.generate(p, max_new_tokens=16, chat=True).token_ids for p in prompts}
     with forward_hook(generator.target, lambda *args: time.sleep(0.02)), \
             serve(create_app(generator, load.MODEL_NAME, max_queue=0, max_batch=1)) as base:
         row = load._drive(base, prompts, references, clients=3, max_tokens=16)
