@@ -311,16 +311,17 @@ class LlamaCppModel:
     def batch_width(self) -> int:
         """The most tokens, over one or several sequences, that a pass may hold while every token still gets the
         logits of a one-token pass of its own sequence (measured once, like exact_widths: see measure_batch_width)."""
-        return min(self._batching["batch_width"], min(self.exact_widths.values()))
+        return min(self.batch_calibration["batch_width"], min(self.exact_widths.values()))
 
     @property
     def prefills_in_slots_exactly(self) -> bool:
         """Whether a prompt prefilled in a batch slot, beside other sequences, gives the logits and cache of a prompt
         prefilled alone (measure_batch_width). Where it does not, a batch must serve one request at a time."""
-        return self._batching["prefill_in_slot_exact"]
+        return self.batch_calibration["prefill_in_slot_exact"]
 
     @property
-    def _batching(self) -> dict:
+    def batch_calibration(self) -> dict:
+        """What measure_batch_width found for this model file on this machine (measured once, then cached)."""
         if self._batch_calibration is None:
             self._batch_calibration = _cached(self, "batching", measure_batch_width)
         return self._batch_calibration
@@ -582,7 +583,10 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
     longest = min(slot_tokens, model.max_length) - n
     lengths = sorted({min(length, longest) for length in contexts})
     prefix_of = [lengths[i % len(lengths)] for i in range(n)]  # slot i's context length
-    continuations = [_probe_tokens(model, n * (i + 2))[:, -n:] for i in range(n)]  # [1, n] each, all different
+    mixes = {width: batch_mixes(width, n) for width in widths}
+    needed = [max(count for width_mixes in mixes.values() for mix in width_mixes for slot, count in mix if slot == i)
+              for i in range(n)]  # the most tokens a pass takes from slot i: its one-token passes to compare with
+    continuations = [_probe_tokens(model, n * (i + 2))[:, -needed[i]:] for i in range(n)]  # all different
     prompts = {length: _probe_tokens(model, length + 1)[:, 1:] for length in lengths}  # [1, length]
     alone_prefill, alone = {}, [None] * n
     for length, prompt in prompts.items():  # each prompt alone, then each of its slots' continuations one at a time
@@ -609,7 +613,7 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
     widest = 1
     for width in widths:
         exact = True
-        for mix in batch_mixes(width, n):
+        for mix in mixes[width]:
             items = [(runners[i], continuations[i][:, :count]) for i, count in mix]
             outputs = model.forward_many(items) if len(items) > 1 else [items[0][0].forward(items[0][1])]
             for (i, count), logits in zip(mix, outputs):

@@ -544,8 +544,8 @@ def test_the_batch_calibration_checks_the_shapes_a_server_makes(model):
 
     target, _ = model
     widest = max(llamacpp.CALIBRATION_WIDTHS)
-    assert llamacpp.measure_batch_width(target) == {"batch_width": widest, "prefill_in_slot_exact": True,
-                                                    "contexts": [16, 600, llamacpp.DEFAULT_SLOT_TOKENS - widest]}
+    assert target.batch_calibration == {"batch_width": widest, "prefill_in_slot_exact": True,
+                                        "contexts": [16, 600, llamacpp.DEFAULT_SLOT_TOKENS - widest]}
     assert target.batch_width == widest and target.prefills_in_slots_exactly
     mixes = llamacpp.batch_mixes(5, 16)
     assert all(sum(n for _, n in mix) == 5 and len({s for s, _ in mix}) == len(mix) for mix in mixes)
@@ -574,8 +574,9 @@ def test_negative_control_the_batch_calibration_catches_an_inexact_shape_and_an_
         return [nudged(o) for o in outputs] if gaps and sum(t.shape[1] for _, t in items) >= 5 else outputs
 
     monkeypatch.setattr(target, "forward_many", off_with_gaps)
-    found = llamacpp.measure_batch_width(target)
-    assert found["batch_width"] == 4 and found["prefill_in_slot_exact"]
+    small = dict(widths=range(2, 8), contexts=(16, 200))  # enough to catch both; cheaper than the full calibration
+    found = llamacpp.measure_batch_width(target, **small)
+    assert found == {"batch_width": 4, "prefill_in_slot_exact": True, "contexts": [16, 200]}
     monkeypatch.setattr(target, "forward_many", exact_forward_many)
     exact_forward = llamacpp.LlamaCppRunner.forward
 
@@ -585,7 +586,7 @@ def test_negative_control_the_batch_calibration_catches_an_inexact_shape_and_an_
         return nudged(logits) if fresh_slot and ids.shape[1] > 100 else logits
 
     monkeypatch.setattr(llamacpp.LlamaCppRunner, "forward", prefill_off_in_slots)
-    assert llamacpp.measure_batch_width(target)["prefill_in_slot_exact"] is False
+    assert llamacpp.measure_batch_width(target, **small)["prefill_in_slot_exact"] is False
 
 
 def test_where_prompts_prefilled_in_slots_are_not_exact_a_batch_serves_one_request_at_a_time(model, baseline,

@@ -329,7 +329,7 @@ def test_negative_control_the_load_comparison_catches_a_batch_that_flips_near_ti
         return outputs
 
     monkeypatch.setattr(target, "forward_many", leaning)
-    results = load.run_load(baseline, list(concurrent_references), clients=[8], requests=2,
+    results = load.run_load(baseline, list(concurrent_references)[:8], clients=[8], requests=1,
                             max_tokens=CONCURRENT_TOKENS, max_batch=8, stagger=1.5, one_at_a_time=False,
                             references=concurrent_references)
     (row,) = results["rows"]
