@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -246,8 +246,8 @@ class Batch:
         if self.fused and not generator.target.prefills_in_slots_exactly:
             # The calibration found that a prompt prefilled in a batch slot is not the prompt prefilled alone: one
             # request at a time then, in the model's own context, exactly as generate() runs it.
-            print("specdec: on this CPU a prompt prefilled in a batch slot differs from one prefilled alone; "
-                  "requests are served one at a time", file=sys.stderr)
+            warnings.warn("on this CPU a prompt prefilled in a batch slot differs from one prefilled alone "
+                          "(measure_batch_width): requests are served one at a time", RuntimeWarning, stacklevel=2)
             self.fused, self.max_batch = False, 1
         self.active: list[tuple[Request, Decoding]] = []
         # The batch contexts now, with a slot per request for the target and for each request's draft-model drafter

@@ -597,10 +597,12 @@ def test_where_prompts_prefilled_in_slots_are_not_exact_a_batch_serves_one_reque
     target, tokenizer = model
     monkeypatch.setattr(llamacpp.LlamaCppModel, "prefills_in_slots_exactly", False)
     gen = SpeculativeGenerator(target, "suffix", tokenizer=tokenizer)
-    batch = Batch(gen, max_batch=4)
+    with pytest.warns(RuntimeWarning, match="one at a time"):
+        batch = Batch(gen, max_batch=4)
     assert batch.room() == 1
     prompts = PROMPTS + ["Once upon a time", "def add(a, b):"]
-    together = gen.generate_many(prompts, max_new_tokens=16)
+    with pytest.warns(RuntimeWarning):
+        together = gen.generate_many(prompts, max_new_tokens=16)
     assert [out.token_ids for out in together] == [baseline.generate(p, max_new_tokens=16).token_ids
                                                    for p in prompts]
 

@@ -99,13 +99,25 @@ def peak_rss_mb() -> float:
     return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024
 
 
+# The CPU features that decide which kernels llama.cpp and the patch compile and run: every report names them.
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "avx512_vp2intersect", "amx_int8",
+                "amx_bf16")
+
+
 def machine_info() -> dict:
-    cpu = platform.processor()
+    cpu, fields = platform.processor(), {}
     try:
         with open("/proc/cpuinfo") as handle:
-            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), cpu)
+            for line in handle:
+                name, _, value = line.partition(":")
+                fields.setdefault(name.strip(), value.strip())
     except OSError:
         pass
+    cpu = fields.get("model name", cpu)
+    if "cpu family" in fields:  # the model name alone ("AMD EPYC") does not tell a Zen 4 from a Zen 5
+        flags = set(fields.get("flags", "").split())
+        cpu += (f", family {fields['cpu family']} model {fields.get('model', '?')}; "
+                + " ".join(flag for flag in KERNEL_FLAGS if flag in flags))
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "ram_gb": round(ram / (1 << 30), 1) if ram else None, "platform": platform.platform(),
