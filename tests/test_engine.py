@@ -12,7 +12,7 @@ from specdec.metrics import SpecStats
 from specdec.runners import TorchRunner
 from specdec.sampling import SamplingConfig, make_generator
 
-from conftest import close_draft, tiny_model
+from conftest import ToyRunner, close_draft, tiny_model
 
 GREEDY = SamplingConfig()
 PROMPTS = [[5], [1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 9, 10, 11, 9, 9, 9]]
@@ -169,3 +169,35 @@ def test_shape_pass_pads_where_sub_passes_cost_and_cuts_where_tokens_do(models):
         shaped = shape_pass(decodings, feeds, 64, pass_cost)
         assert [feed.shape[1] for feed in shaped] == expected
         assert [decoding.n_drafted for decoding in decodings] == [min(1, expected[0] - 1), expected[1] - 1]
+
+
+def test_a_fused_pass_holds_no_sequence_beyond_its_own_exact_width():
+    """fused_forward groups sequences into passes of at most `width` tokens, and one whose runner says only one-token
+    passes are exact where it stands (past the calibrated context) gets a pass of its own."""
+    from specdec.engine import fused_forward
+
+    class Model:
+        def __init__(self):
+            self.passes = []
+
+        def forward_many(self, items):
+            self.passes.append([runner.seq for runner, _ in items])
+            return [runner.forward(tokens) for runner, tokens in items]
+
+    class Slot(ToyRunner):
+        def __init__(self, model, seq, cached):
+            super().__init__(vocab_size=6, seed=seq, max_length=64)
+            self.model, self.seq, self.tokens = model, seq, [1] * cached
+
+        def verify_width(self, length):
+            return 1 if length >= 20 else 8
+
+    model = Model()
+    runners = [Slot(model, seq, cached) for seq, cached in enumerate([5, 5, 30, 5, 5, 5])]
+    one_token = torch.tensor([[2]])
+    outputs = fused_forward([(runner, one_token) for runner in runners], width=4)
+    assert model.passes == [[0, 1]] + [[3, 4, 5]]  # sequence 2 ran alone, by its own forward
+    assert [o.shape for o in outputs] == [torch.Size([1, 1, 6])] * 6 and runners[2].calls == 1
+    model.passes.clear()
+    fused_forward([(runner, one_token) for runner in runners[:2] + runners[3:]], width=4)
+    assert model.passes == [[0, 1, 3, 4]] and runners[5].calls == 2  # at most `width` tokens: 5 went on alone
