@@ -45,7 +45,8 @@ def run_generate(args) -> int:
     llama_cpp = _plain_llama_cpp(gen, args, settings) if args.compare else None
     if args.json:
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                  "stats": out.stats.to_dict(), "cross_vocabulary": gen.cross_vocabulary}
+                  "stats": out.stats.to_dict(), "cross_vocabulary": gen.cross_vocabulary,
+                  "kernel_plans": gen.kernel_plans()}
         if baseline is not None:
             record["baseline"] = {"tokens_per_s": baseline.stats.tokens_per_s,
                                   "identical": baseline.token_ids == out.token_ids,
@@ -65,6 +66,9 @@ def run_generate(args) -> int:
     if llama_cpp is not None:
         print(f"plain llama.cpp (llama-cpp-python's own loop, its default settings, same file): {llama_cpp:.2f} "
               f"tokens/s -> speed-up {out.stats.tokens_per_s / llama_cpp:.2f}x")
+    if args.compare:
+        for role, plan in gen.kernel_plans().items():
+            print(f"kernel plan ({role}, passes of 1-16 tokens): {plan}")
     return 0
 
 
@@ -94,6 +98,7 @@ COMMANDS = {
     "serve": server.add_serve_parser,
     "bench": bench.add_bench_parser,
     "load": bench.add_load_parser,
+    "bench-servers": bench.add_bench_servers_parser,
 }
 
 

@@ -93,6 +93,13 @@ class SpeculativeGenerator:
             self.drafter = ChoosingDrafter(SuffixDrafter(), self.drafter, costs)
         self.eos_ids = _eos_ids(self.target, self.tokenizer)
 
+    def kernel_plans(self) -> dict[str, str]:
+        """{"target": ..., "draft": ...}: which kernels each llama.cpp model runs its passes of each width with (see
+        specdec.kernels), in words; models of other runtimes have none."""
+        models = {"target": self.target, "draft": self.draft}
+        return {role: model.kernel_plan.describe() for role, model in models.items()
+                if getattr(model, "kernel_plan", None) is not None}
+
     def encode(self, prompt: str | Sequence[int] | torch.Tensor, chat: bool = False) -> torch.Tensor:
         """A prompt (text, or token ids) -> ids [1, n]. chat=True applies the target's chat template to text."""
         if isinstance(prompt, str):

@@ -20,6 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdec.kernels import LLAMA_CPP as LLAMA_CPP_KERNELS
+from specdec.kernels import KernelPlan, candidates, measure_kernel_plan, multi_column_kernels
 from specdec.runtimes import LLAMA_CPP
 
 PIN = "llama-cpp-python==0.3.36"
@@ -159,6 +161,8 @@ class LlamaCppModel:
         self._costs: dict | None = None
         self._exact_widths: dict[int, int] | None = None
         self._batch_calibration: dict | None = None
+        self._kernel_plan: KernelPlan | None = None
+        self._kernel_calibration: dict | None = None
         self._slots: _Slots | None = None  # the batch context, created by the first new_batch_runner
         # Prompts in the other weight layout where that is faster (measured per CPU: on an AVX-512 EPYC, llama.cpp's
         # tiled kernels over the plain layout prefilled 192 tokens in 1.45 s, its repacked layout in 2.05 s, while
@@ -166,6 +170,27 @@ class LlamaCppModel:
         # time; the prompt's KV cache is then copied into this model's context (PREFILL_MIN_TOKENS).
         self.prefill_model = None if prefill_repack is None else LlamaCppModel(
             self.path, self.threads, kv_cache, repack=prefill_repack, prefill_repack=None)
+        if self.prefill_model is not None:  # its passes are prompts (a last piece of one can be short): as released
+            self.prefill_model._kernel_plan = KernelPlan.uniform(LLAMA_CPP_KERNELS)
+
+    @property
+    def kernel_plan(self) -> KernelPlan:
+        """Which kernels take this model's passes of each width 1-16 (wider ones take llama.cpp's own): the fastest
+        exact ones on this machine (kernel_calibration). Set in the library before each of the model's passes."""
+        if self._kernel_plan is None:
+            self._kernel_plan = KernelPlan.from_json(self.kernel_calibration["plan"])
+        return self._kernel_plan
+
+    @property
+    def kernel_calibration(self) -> dict:
+        """What specdec.kernels.measure_kernel_plan found (every candidate's time and exactness per width, and the
+        plan), measured once per model file, llama.cpp build, CPU, threads, cache type and layout, then cached."""
+        if self._kernel_calibration is None:
+            self._kernel_calibration = _cached_json(
+                self.path, "kernel-plan", f"{self.threads}|{self.kv_cache}|{self.repack}",
+                lambda: measure_kernel_plan(self),
+                {"threads": self.threads, "kv_cache": self.kv_cache, "repack": self.repack})
+        return self._kernel_calibration
 
     @property
     def costs(self) -> dict:
@@ -297,7 +322,7 @@ class LlamaCppModel:
         # sub-pass (see fused_pass_cost); the rows come back in the order of the items.
         order = sorted(range(len(entries)), key=lambda e: entries[e][:2])
         rows = [None] * len(entries)
-        for e, row in zip(order, _evaluate(context, [entries[e] for e in order], self.n_vocab)):
+        for e, row in zip(order, _evaluate(self, context, [entries[e] for e in order])):
             rows[e] = row
         outputs, start = [], 0
         for runner, ids in items:
@@ -361,8 +386,8 @@ class LlamaCppModel:
         context.clear()
         rows = []
         for start in range(0, len(tokens), BATCH):
-            rows += _evaluate(context, [(seq, start + i, token, want) for i, (token, want) in enumerate(
-                zip(tokens[start:start + BATCH], wanted[start:start + BATCH]))], self.n_vocab)
+            rows += _evaluate(self, context, [(seq, start + i, token, want) for i, (token, want) in enumerate(
+                zip(tokens[start:start + BATCH], wanted[start:start + BATCH]))])
         state = context.save_state(seq)
         if context.size * n_seq > 2 * INITIAL_CONTEXT:  # a long prompt's cache is not kept around
             context.free()
@@ -377,13 +402,16 @@ CALIBRATION_WIDTHS = range(2, 17)  # pass widths checked: up to 15 draft tokens,
 # Cached tokens before the checked passes: short; past the 512 cells where ggml's attention changes strategy for f16
 # caches; and a long context (prompts of a few pages). Beyond the longest, the engine verifies one token at a time.
 CALIBRATION_CONTEXTS = (16, 600, 4096)
-CALIBRATION_VERSION = 5  # bump when what is measured changes: older cached results are then measured again
+CALIBRATION_VERSION = 6  # bump when what is measured changes: older cached results are then measured again
 
 
 def _cached(model: LlamaCppModel, kind: str, measure) -> dict:
-    """measure(model), cached per model file, llama.cpp build, CPU, threads, cache type and weight layouts."""
-    return _cached_json(model.path, kind, f"{model.threads}|{model.kv_cache}|{model.repack}", lambda: measure(model),
-                        {"threads": model.threads, "kv_cache": model.kv_cache, "repack": model.repack})
+    """measure(model), cached per model file, llama.cpp build, CPU, threads, cache type, weight layouts and kernel
+    plan (so that what was measured under one plan is never read under another)."""
+    plan = model.kernel_plan
+    return _cached_json(model.path, kind, f"{model.threads}|{model.kv_cache}|{model.repack}|{plan.key}",
+                        lambda: measure(model), {"threads": model.threads, "kv_cache": model.kv_cache,
+                                                 "repack": model.repack, "kernel_plan": plan.describe()})
 
 
 def _cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -> dict:
@@ -411,17 +439,6 @@ def _cached_json(path: Path, kind: str, settings: str, measure, describe: dict) 
     partial.write_text(json.dumps({"model": str(path), **describe, "measured": found}) + "\n")
     partial.replace(cached)
     return found
-
-
-def multi_column_kernels() -> bool:
-    """Whether the patched kernels take multi-token passes in this process: GGML_CPU_MULTI_COLUMN=0 switches them off
-    (as the patch reads it, like C's atoi), and then llama.cpp's own kernels, exact at other widths, take every pass.
-    Part of every calibration's cache key, so that one made with the patch on is never read with it off."""
-    import re
-
-    setting = os.environ.get("GGML_CPU_MULTI_COLUMN")
-    digits = re.match(r"\s*[+-]?\d+", setting or "")
-    return setting is None or (digits is not None and int(digits.group()) != 0)
 
 
 @functools.cache
@@ -478,16 +495,20 @@ def _measure_layouts(path: Path, threads: int) -> dict:
 
 
 def _time_layouts(path: str, threads: int) -> None:
-    """In the worker: median seconds of a one-token pass after 16 tokens and of a PREFILL_PROBE_TOKENS prompt, plain
-    and repacked layouts interleaved, printed as JSON."""
+    """In the worker: the median seconds of a one-token pass after 16 tokens under the fastest candidate kernel of
+    each layout (specdec.kernels.candidates, llama.cpp's own among them), and of a PREFILL_PROBE_TOKENS prompt, plain
+    and repacked layouts and the kernels interleaved, printed as JSON."""
     import json
     import statistics
     import time
 
     models = [LlamaCppModel(path, threads, repack=repack, prefill_repack=None) for repack in (False, True)]
+    for model in models:  # prompts take llama.cpp's own kernels under any plan; no plan is calibrated here
+        model._kernel_plan = KernelPlan.uniform(LLAMA_CPP_KERNELS)
     tokens = _probe_tokens(models[0], PREFILL_PROBE_TOKENS)
     runners = [LlamaCppRunner(model, model.n_vocab, private_context=PREFILL_PROBE_TOKENS) for model in models]
-    one_token, prefill = [[], []], [[], []]
+    kernels = candidates()
+    one_token, prefill = [{kernel: [] for kernel in kernels} for _ in models], [[], []]
     for _ in range(3):
         for runner, times in zip(runners, prefill):
             runner.rollback(0)
@@ -495,12 +516,14 @@ def _time_layouts(path: str, threads: int) -> None:
             runner.forward(tokens, last_only=True)
             times.append(time.perf_counter() - started)
     for _ in range(9):
-        for runner, times in zip(runners, one_token):
-            runner.rollback(16)
-            started = time.perf_counter()
-            runner.forward(tokens[:, 16:17])
-            times.append(time.perf_counter() - started)
-    print(json.dumps([[statistics.median(times[1:]) for times in one_token],
+        for model, runner, times in zip(models, runners, one_token):
+            for kernel in kernels:
+                model._kernel_plan = KernelPlan.uniform(kernel)
+                runner.rollback(16)
+                started = time.perf_counter()
+                runner.forward(tokens[:, 16:17])
+                times[kernel].append(time.perf_counter() - started)
+    print(json.dumps([[min(statistics.median(t[1:]) for t in times.values()) for times in one_token],
                       [statistics.median(times) for times in prefill]]))
 
 
@@ -643,11 +666,12 @@ def batch_mixes(width: int, slots: int) -> list[list[tuple[int, int]]]:
             [(min(2, slots - 1), width - 1), (0, 1)], spread, *alone]
 
 
-def _evaluate(context: _Context, entries: list[tuple[int, int, int, bool]], n_vocab: int) -> list[np.ndarray]:
-    """One llama_decode over entries (sequence id, position, token, whether its logits are wanted) -> the wanted
-    rows, in order. If it fails, every sequence in it is cut back to where its tokens start (the cache may hold part
-    of the batch), so that its runner stays consistent."""
-    lib, batch = context.lib, context.batch
+def _evaluate(model: LlamaCppModel, context: _Context, entries: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+    """One llama_decode of model's over entries (sequence id, position, token, whether its logits are wanted), under
+    the model's kernel plan -> the wanted rows, in order. If it fails, every sequence in it is cut back to where its
+    tokens start (the cache may hold part of the batch), so that its runner stays consistent."""
+    model.kernel_plan.apply()
+    lib, batch, n_vocab = context.lib, context.batch, model.n_vocab
     for i, (seq, position, token, want) in enumerate(entries):
         batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, want
         batch.seq_id[i][0] = seq
@@ -809,8 +833,8 @@ class LlamaCppRunner:
         return rows
 
     def _decode(self, context: _Context, tokens: list[int], wanted: list[bool]) -> list[np.ndarray]:
-        rows = _evaluate(context, [(self.seq, self._length + i, token, want)
-                                   for i, (token, want) in enumerate(zip(tokens, wanted))], self.model.n_vocab)
+        rows = _evaluate(self.model, context, [(self.seq, self._length + i, token, want)
+                                               for i, (token, want) in enumerate(zip(tokens, wanted))])
         self._length += len(tokens)
         return rows
 

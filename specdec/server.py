@@ -654,6 +654,11 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
         return {"status": "ok", "model": model_name, "pending": service.scheduler.pending,
                 "batch": service.scheduler.occupancy, "cross_vocabulary": service.generator.cross_vocabulary}
 
+    @app.get("/v1/specdec/plan")
+    async def kernel_plan() -> dict:
+        """Which kernels the models run their passes with (specdec.kernels), as the calibration chose them."""
+        return {"kernel_plans": generator.kernel_plans()}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)

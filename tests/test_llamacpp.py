@@ -221,8 +221,8 @@ def test_a_fused_pass_in_any_order_of_slots_costs_as_one_in_order(model):
         sub_passes = []
         original = llamacpp._evaluate
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(llamacpp, "_evaluate", lambda context, entries, n: sub_passes.append(
-                [seq for seq, *_ in entries]) or original(context, entries, n))
+            patch.setattr(llamacpp, "_evaluate", lambda model, context, entries: sub_passes.append(
+                [seq for seq, *_ in entries]) or original(model, context, entries))
             rows = target.forward_many([(runner, torch.tensor([[4 + i]])) for i, runner in
                                         reversed(list(enumerate(runners)))])
         assert sub_passes == [[0, 1, 2, 3]]

@@ -169,6 +169,51 @@ def test_the_patched_kernels_verify_eight_tokens_exactly_at_every_calibrated_len
     assert target.verify_width(16) == max(llamacpp.CALIBRATION_WIDTHS)
 
 
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_the_kernel_plan_gives_each_width_an_exact_kernel_timed_against_llama_cpps_own(pair, role):
+    """The calibration timed every candidate at every width, llama.cpp's own kernels among them, and the plan takes
+    one that was exact there; under the plan a 16-token pass gives every token its one-token logits."""
+    from specdec import llamacpp
+    from specdec.kernels import LLAMA_CPP, MAX_WIDTH
+
+    model = getattr(pair[0], role)
+    found = model.kernel_calibration
+    for width, kernel in enumerate(model.kernel_plan.kernels, 1):
+        assert LLAMA_CPP.describe() in found["pass_s"][str(width)]
+        assert kernel.describe() in found["exact"][str(width)], (width, kernel)
+    tokens = llamacpp._probe_tokens(model, 16 + MAX_WIDTH)
+    runner = llamacpp.LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
+    runner.forward(tokens[:, :16], last_only=True)
+    single = llamacpp._one_token_logits(runner, tokens[:, 16:])
+    runner.rollback(16)
+    assert torch.equal(runner.forward(tokens[:, 16:])[0], single)
+
+
+def test_negative_control_a_plan_of_llama_cpps_own_kernels_switched_in_process_is_caught(pair):
+    """The plan is switched at run time, in this process: under llama.cpp's own kernels at every width the same
+    16-token pass no longer matches the one-token passes (they round by pass width), so the check above can fail."""
+    from specdec import llamacpp
+    from specdec.kernels import LLAMA_CPP, KernelPlan
+
+    if not _cpu_has_avx2():
+        pytest.skip("the patched kernels are x86 AVX2 code")
+    target = pair[0].target
+    tokens = llamacpp._probe_tokens(target, 32)
+    runner = llamacpp.LlamaCppRunner(target, target.n_vocab, private_context=32)
+    runner.forward(tokens[:, :16], last_only=True)
+    single = llamacpp._one_token_logits(runner, tokens[:, 16:])
+    plan = target.kernel_plan
+    try:
+        target._kernel_plan = KernelPlan.uniform(LLAMA_CPP)
+        runner.rollback(16)
+        own = runner.forward(tokens[:, 16:])[0]
+    finally:
+        target._kernel_plan = plan
+    assert not torch.equal(own, single)
+    runner.rollback(16)
+    assert torch.equal(runner.forward(tokens[:, 16:])[0], single)  # the plan again: exact
+
+
 # Run in a fresh process, as llama.cpp reads its environment once: GGML_CPU_MULTI_COLUMN=0 turns the patched kernels
 # off, and llama.cpp's own multi-token kernels take the passes again.
 _WIDTHS = """

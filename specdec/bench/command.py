@@ -182,6 +182,7 @@ def _prepare(args, preset, candidates, results: dict):
     results["memory"]["after_load_mb"] = peak_rss_mb()
     results["models"] = {role: runtime_of(model).describe(model)
                          for role, model in (("target", gen.target), ("draft", gen.draft)) if model is not None}
+    results["kernel_plans"] = gen.kernel_plans()
     chat = not args.no_chat and getattr(gen.tokenizer, "chat_template", None) is not None
     results["settings"]["chat"] = chat
     units = _units(gen, candidates, preset, chat)

