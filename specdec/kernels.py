@@ -100,12 +100,19 @@ _applied: KernelPlan | None = None
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    """The installed libggml-cpu (the one llama-cpp-python loaded), with the kernel plan's entry points."""
-    import llama_cpp
+    """The libggml-cpu that llama-cpp-python loaded, with the kernel plan's entry points. Its wheel holds copies, not
+    links (libggml-cpu.so, .so.0, .so.0.25.3): opening another of them would load a second library with a plan of its
+    own, which no pass reads. So the one already mapped into this process is opened again."""
+    from specdec.llamacpp import _lib
 
-    folder = Path(llama_cpp.__file__).parent / "lib"
-    libraries = sorted(folder.glob("libggml-cpu*.so*")) or sorted(folder.glob("libggml-cpu*"))
-    library = ctypes.CDLL(str(libraries[0])) if libraries else None
+    folder = Path(_lib().__file__).parent / "lib"  # loads llama.cpp, and with it libggml-cpu
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = [line.split()[-1] for line in maps if "/libggml-cpu" in line]
+    except OSError:  # not Linux: the library by its usual name
+        loaded = []
+    names = loaded or sorted(str(path) for path in folder.glob("libggml-cpu*"))
+    library = ctypes.CDLL(names[0]) if names else None
     if library is None or not hasattr(library, "ggml_cpu_set_kernel_plan"):
         raise RuntimeError("the installed llama-cpp-python lacks specdec's kernel plan (native/): run `make setup`, "
                            "which builds it with the patch for this CPU")

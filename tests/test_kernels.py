@@ -133,3 +133,22 @@ def test_a_calibration_made_with_the_patchs_kernels_is_never_read_with_them_off(
     monkeypatch.delenv("GGML_CPU_MULTI_COLUMN")
     assert calibration() == {"exact_width": 1}  # the first one, from the cache
     assert measured == [None, "0"]
+
+
+def test_the_plan_is_set_in_the_library_that_llama_cpp_loaded():
+    """The wheel holds libggml-cpu three times, as copies: a plan set in a copy that llama.cpp did not load would
+    change nothing (the calibration once timed seven "candidates" that were one kernel). The library the plan goes to
+    is the one mapped into the process before, and opening it maps nothing new."""
+    from specdec import llamacpp
+
+    _require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps (Linux)")
+    llamacpp._lib()
+
+    def mapped() -> set[str]:
+        return {line.split()[-1] for line in open("/proc/self/maps") if "/libggml-cpu" in line}
+
+    before = mapped()
+    library = kernels._library()
+    assert library._name in before and mapped() == before
