@@ -10,6 +10,7 @@ run rather than read a cache that is no longer its own.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -429,16 +430,58 @@ def _cached_json(path: Path, kind: str, settings: str, measure, describe: dict) 
                          f"{_kernels_id()}|{multi_column_kernels()}|{cpu}|{settings}|{CALIBRATION_VERSION}".encode()
                          ).hexdigest()[:24]
     cached = registry.cache_root() / "calibration" / f"{path.stem}-{kind}-{key}.json"
-    try:
-        return json.loads(cached.read_text())["measured"]
-    except (OSError, ValueError, KeyError):
-        pass
-    found = measure()
+
+    def read() -> dict | None:
+        try:
+            return json.loads(cached.read_text())["measured"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    found = read()
+    if found is not None:
+        return found
     cached.parent.mkdir(parents=True, exist_ok=True)
-    partial = cached.with_name(cached.name + ".partial")
-    partial.write_text(json.dumps({"model": str(path), **describe, "measured": found}) + "\n")
-    partial.replace(cached)
+    with _calibrating(cached.parent):
+        found = read()  # another process may have measured it while this one waited
+        if found is None:
+            found = measure()
+            partial = cached.with_name(cached.name + ".partial")
+            partial.write_text(json.dumps({"model": str(path), **describe, "measured": found}) + "\n")
+            partial.replace(cached)
     return found
+
+
+_calibration_depth = 0  # calibrations in progress in this process (one measures what it needs of another)
+
+
+@contextlib.contextmanager
+def _calibrating(folder: Path):
+    """One calibration at a time on this machine: timings taken while another process times its own kernels (two
+    servers started at once) measure the contention, and the cache would keep them. A process waits for the lock
+    (saying so on a terminal), then reads what the other one measured if it was the same."""
+    global _calibration_depth
+    if _calibration_depth:  # this process holds the lock already
+        _calibration_depth += 1
+        try:
+            yield
+        finally:
+            _calibration_depth -= 1
+        return
+    import fcntl
+
+    with open(folder / ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if sys.stderr.isatty():
+                print("another process is calibrating on this machine: waiting for it ...", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        _calibration_depth = 1
+        try:
+            yield
+        finally:
+            _calibration_depth = 0
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @functools.cache

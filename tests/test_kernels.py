@@ -152,3 +152,41 @@ def test_the_plan_is_set_in_the_library_that_llama_cpp_loaded():
     before = mapped()
     library = kernels._library()
     assert library._name in before and mapped() == before
+
+
+_CALIBRATE_SLOWLY = """
+import json, sys, time
+from pathlib import Path
+from specdec import llamacpp
+
+def measure():
+    Path(sys.argv[2]).write_text("measuring")  # the parent starts its own calibration now
+    time.sleep(3)
+    return {"measured_by": "child"}
+
+print(json.dumps(llamacpp._cached_json(Path(sys.argv[1]), "costs", "2|q8_0|False", measure, {})))
+"""
+
+
+def test_a_second_process_waits_for_a_calibration_in_progress_and_reads_its_result(tmp_path, monkeypatch):
+    """Two servers started at once used to calibrate side by side, each timing the other's load into its cache: now
+    the second waits for the first and reads what it measured, measuring nothing itself."""
+    import sys
+    import time
+
+    from specdec import llamacpp
+
+    _require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    gguf, started = tmp_path / "model.gguf", tmp_path / "started"
+    gguf.write_bytes(b"GGUF")
+    child = subprocess.Popen([sys.executable, "-c", _CALIBRATE_SLOWLY, str(gguf), str(started)],
+                             stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    deadline = time.monotonic() + 120
+    while not started.exists():
+        assert child.poll() is None and time.monotonic() < deadline, "the child never started measuring"
+        time.sleep(0.05)
+    measured_here = []
+    found = llamacpp._cached_json(gguf, "costs", "2|q8_0|False", lambda: measured_here.append(1) or {"x": 1}, {})
+    assert child.wait(timeout=120) == 0
+    assert found == {"measured_by": "child"} and not measured_here
