@@ -20,7 +20,7 @@ WHEELS ?= $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/wheels/$(CPU_KEY)-$(PATC
 LLAMA_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DLLAVA_BUILD=OFF
 
-.PHONY: setup models models-llama-cpp demo test test-fast bench clean llama-cpp-wheel
+.PHONY: setup models models-llama-cpp demo test test-fast bench clean llama-cpp-wheel llama-server bench-servers
 
 setup: $(VENV)/.installed $(VENV)/.llama-cpp
 
@@ -64,6 +64,19 @@ test-fast: setup
 
 bench: models-llama-cpp
 	$(BIN)/specdec bench --preset quick
+
+# Upstream llama-server, unpatched, from the same llama.cpp source as LLAMA_CPP: the baseline of `specdec bench-servers`
+# (about 5 minutes on 2 cores, once per CPU feature set and build script). specdec.bench.servers computes the same path.
+LLAMA_SERVER_DIR := $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/llama-server/$(CPU_KEY)-$(LLAMA_CPP_VERSION)-$(shell md5sum native/build-llama-server.sh | cut -c1-8)
+
+llama-server: $(VENV)/.installed
+	@if [ ! -x $(LLAMA_SERVER_DIR)/llama-server ]; then \
+		echo "building upstream llama-server $(LLAMA_CPP_VERSION) (unpatched) for this CPU (about 5 minutes on 2 cores, once) into $(LLAMA_SERVER_DIR)"; \
+		native/build-llama-server.sh $(BIN)/python $(LLAMA_CPP_VERSION) $(LLAMA_SERVER_DIR); \
+	fi
+
+bench-servers: models-llama-cpp llama-server
+	$(BIN)/specdec bench-servers --llama-server $(LLAMA_SERVER_DIR)/llama-server
 
 clean:
 	rm -rf $(VENV) build *.egg-info

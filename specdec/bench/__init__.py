@@ -7,9 +7,11 @@ runner.py     presets, the interleaved schedule, results saved after every promp
 report.py     summary figures, Markdown and PNG plots, from the JSON alone
 command.py    the subcommand
 load.py       `specdec load`: concurrent clients against the server, one request at a time vs batched
+servers.py    `specdec bench-servers`: specdec serve against upstream llama-server, each a process driven over HTTP
 """
 
 from specdec.bench.command import add_bench_parser
 from specdec.bench.load import add_load_parser
+from specdec.bench.servers import add_bench_servers_parser
 
-__all__ = ["add_bench_parser", "add_load_parser"]
+__all__ = ["add_bench_parser", "add_bench_servers_parser", "add_load_parser"]

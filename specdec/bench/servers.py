@@ -1,0 +1,535 @@
+"""`specdec bench-servers`: `specdec serve` against upstream llama-server, each a server process driven over HTTP.
+
+The baseline is what users run: llama-server built from the llama.cpp source that the installed llama-cpp-python
+vendors, without specdec's kernel patch (`make llama-server`), plain, with its n-gram speculation (--spec-default)
+and with the draft model (-md). Every server is a subprocess on a free loopback port; they start one after another
+(each loads, and specdec calibrates, alone) and then all stay up. The packaged prompts (data/server_prompts.json, six
+kinds) go to them as greedy chat completions through the official OpenAI client, non-streaming, one request in
+flight across all servers: every server answers a prompt in turn, the order rotated by one from prompt to prompt, so
+that drift in the machine's load falls on all alike. A request's wall time includes its prefill.
+
+Figures (summarise() derives them from the records alone):
+  tokens/s               completion tokens / wall seconds, pooled over a server's requests (all, or of one kind)
+  vs best llama-server   a specdec server's tokens/s over the fastest llama-server configuration's: per kind, the
+                         fastest in that kind; over all kinds, the fastest pooled
+  same text              answers whose text equals specdec-target-only's on the same prompt and round: greedy
+                         speculative decoding must not change an answer
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+from importlib import metadata, resources
+from pathlib import Path
+
+from specdec import registry
+
+KINDS = ("code-edit", "document-qa", "chat", "maths", "translation", "summary")
+REFERENCE = "specdec-target-only"  # plain greedy decoding by specdec: the answers every other server is held to
+ALL_KINDS = "all"
+PORT = "{port}"  # stands for the server's port in its command line
+CONTEXT = 4096  # llama-server's -c: room for the longest prompt and answer, as specdec's own context allows
+NATIVE = Path(__file__).resolve().parents[2] / "native"  # the source checkout's native/: absent from a wheel
+SCHEMA = "specdec-bench-servers/1"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every server command line is made of."""
+    llama_server: Path
+    target: str  # registry name or .gguf file
+    draft: str
+    threads: int
+
+    def gguf(self, name: str) -> str:
+        return name if name.endswith(".gguf") else str(registry.gguf_file(name))
+
+
+@dataclass(frozen=True)
+class Server:
+    """One server under test: its command line (PORT for its port), and how its answers are read."""
+    name: str
+    argv: tuple[str, ...]
+    baseline: bool = False  # a llama-server configuration: specdec's servers are compared with the best of these
+    token_ids: bool = False  # answers carry their token ids when the request asks (specdec's return_token_ids)
+
+    def command(self, port: int) -> list[str]:
+        return [word.replace(PORT, str(port)) for word in self.argv]
+
+
+def _llama_server(setup: Setup, *extra: str) -> tuple[str, ...]:
+    return (str(setup.llama_server), "-m", setup.gguf(setup.target), "-t", str(setup.threads), "-c", str(CONTEXT),
+            "-np", "1", "--host", "127.0.0.1", "--port", PORT, *extra)
+
+
+def _specdec_serve(setup: Setup, draft: str) -> tuple[str, ...]:
+    return (sys.executable, "-m", "specdec.cli", "serve", "--target", setup.target, "--draft", draft, "--threads",
+            str(setup.threads), "--host", "127.0.0.1", "--port", PORT)
+
+
+@dataclass(frozen=True)
+class Config:
+    """A configuration of the registry: llama-server's (a baseline) or specdec's, and its command for a Setup."""
+    baseline: bool
+    argv: Callable[[Setup], tuple[str, ...]]
+
+    def server(self, name: str, setup: Setup) -> Server:
+        # specdec serve gives each answer's token ids (return_token_ids); llama-server only text
+        return Server(name, self.argv(setup), baseline=self.baseline, token_ids=not self.baseline)
+
+
+# --spec-default is llama-server's own n-gram speculation preset (common/arg.cpp: ngram-mod drafts, a 24-token match,
+# 48-64 tokens a draft). -md alone only loads a draft model: this llama.cpp drafts with it only when --spec-type
+# names draft-simple (it infers a type from the draft's GGUF for MTP/DFlash heads only); its draft settings stay
+# llama-server's defaults.
+SERVERS = {
+    "llama-server": Config(True, lambda s: _llama_server(s)),
+    "llama-server-ngram": Config(True, lambda s: _llama_server(s, "--spec-default")),
+    "llama-server-draft": Config(True, lambda s: _llama_server(s, "-md", s.gguf(s.draft), "--spec-type",
+                                                               "draft-simple")),
+    "specdec": Config(False, lambda s: _specdec_serve(s, s.draft)),
+    REFERENCE: Config(False, lambda s: _specdec_serve(s, "none")),
+}
+
+
+class ServerError(RuntimeError):
+    """A server under test exited, or did not become ready in time."""
+
+
+class ServerProcess:
+    """A server under test as a subprocess on a free loopback port: started, awaited until /health answers 200, and
+    stopped on exit (terminate, then kill), whatever happened in between. Its output goes to `log`."""
+
+    def __init__(self, server: Server, log: Path, startup_timeout: float = 1800.0):
+        self.server, self.log_path, self.startup_timeout = server, Path(log), startup_timeout
+        self.process: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    def __enter__(self) -> ServerProcess:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = self.server.command(self.port)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")  # a file, not a pipe: a pipe nobody reads fills up and blocks the server
+        started = time.perf_counter()
+        try:
+            self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
+                                            stderr=subprocess.STDOUT)
+            self._wait_ready()
+        except BaseException:
+            self.__exit__()
+            raise
+        self.startup_s = time.perf_counter() - started
+        return self
+
+    def _wait_ready(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            self.check_alive()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:  # llama-server: 503 while loading
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(f"{self.server.name} was not ready after {self.startup_timeout:.0f} s: "
+                                  f"{shlex.join(self.argv)}\n{self.tail()}")
+            time.sleep(0.25)
+
+    def check_alive(self) -> None:
+        code = self.process.poll()
+        if code is not None:
+            raise ServerError(f"{self.server.name} exited with status {code}: {shlex.join(self.argv)}\n"
+                              f"its last output ({self.log_path}):\n{self.tail()}")
+
+    def tail(self, lines: int = 20) -> str:
+        text = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:]) or "(no output)"
+
+    def get_json(self, path: str) -> dict | None:
+        """GET path -> its JSON body where it answers 200, else None."""
+        import httpx
+
+        try:
+            response = httpx.get(f"{self.url}{path}", timeout=10)
+            return response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# ---- the prompts and the schedule
+
+
+def load_prompts(kinds: tuple[str, ...] = KINDS) -> tuple[list[dict], dict]:
+    """The packaged prompts of the given kinds, in file order, and the warm-up prompt (never measured)."""
+    data = json.loads(resources.files("specdec.bench").joinpath("data/server_prompts.json").read_text())
+    return [p for p in data["prompts"] if p["kind"] in kinds], data["warmup"]
+
+
+def schedule(prompts: list[dict], servers: list[str], rounds: int) -> list[tuple[int, dict, list[str]]]:
+    """(round, prompt, server order) for every prompt of every round: every server answers the prompt in turn, the
+    order rotated by one from one prompt to the next, so that no server always goes first (after a cold cache) or
+    last."""
+    turns = []
+    for round_ in range(rounds):
+        for i, prompt in enumerate(prompts):
+            shift = (round_ * len(prompts) + i) % len(servers)
+            turns.append((round_, prompt, servers[shift:] + servers[:shift]))
+    return turns
+
+
+def ask(client, model: str, prompt: str, max_tokens: int, token_ids: bool) -> dict:
+    """One greedy chat completion -> the measured record (wall time from sending to the whole answer, prefill
+    included)."""
+    started = time.perf_counter()
+    response = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        extra_body={"return_token_ids": True} if token_ids else None)
+    wall_s = time.perf_counter() - started
+    choice, extra = response.choices[0], response.model_extra or {}
+    usage = response.usage
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "wall_s": wall_s,
+            "tokens_per_s": usage.completion_tokens / wall_s, "finish_reason": choice.finish_reason,
+            "text": choice.message.content, "token_ids": getattr(choice, "token_ids", None),
+            # the server's own account: llama-server's "timings" (draft_n, draft_n_accepted), specdec's stats
+            "server_stats": extra.get("timings") or extra.get("specdec")}
+
+
+def run_servers(servers: list[Server], prompts: list[dict], warmup: dict, max_tokens: int, rounds: int,
+                out: Path, results: dict, startup_timeout: float = 1800.0, progress: bool = True) -> dict:
+    """Start every server, warm each up, then run the schedule; results["records"] gains one record per request
+    and results is saved to out/results.json after every prompt. The servers are stopped however this ends."""
+    import contextlib
+
+    import openai
+    from tqdm import tqdm
+
+    from specdec.bench.runner import save
+
+    results.setdefault("servers", {})
+    results.setdefault("records", [])
+    path = out / "results.json"
+    with contextlib.ExitStack() as stack:
+        running = {}
+        for server in servers:
+            print(f"starting {server.name} ...", file=sys.stderr, flush=True)
+            proc = stack.enter_context(ServerProcess(server, out / "logs" / f"{server.name}.log", startup_timeout))
+            models = proc.get_json("/v1/models") or {}
+            model = (models.get("data") or [{}])[0].get("id", "default")
+            client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
+            running[server.name] = (server, proc, client, model)
+            results["servers"][server.name] = {
+                "command": proc.argv, "baseline": server.baseline, "model": model, "startup_s": proc.startup_s,
+                # a hook: the kernel plan of specdec's runtime, where the server publishes it
+                "kernel_plan": None if server.baseline else proc.get_json("/v1/specdec/plan")}
+            print(f"{server.name} ready in {proc.startup_s:.1f} s", file=sys.stderr, flush=True)
+        for server, proc, client, model in running.values():  # first passes over cold weights: not measured
+            _request(proc, client, model, warmup, min(16, max_tokens), server.token_ids)
+        turns = schedule(prompts, [s.name for s in servers], rounds)
+        with tqdm(total=len(turns) * len(servers), unit="request", disable=not progress, file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            for round_, prompt, order in turns:
+                for name in order:
+                    bar.set_description(f"{prompt['id']} {name}")
+                    server, proc, client, model = running[name]
+                    record = _request(proc, client, model, prompt, max_tokens, server.token_ids)
+                    results["records"].append({"server": name, "round": round_, "kind": prompt["kind"],
+                                               "prompt_id": prompt["id"], **record})
+                    bar.update()
+                save(results, path)
+    return results
+
+
+def _request(proc: ServerProcess, client, model: str, prompt: dict, max_tokens: int, token_ids: bool) -> dict:
+    """ask(), a failed request recorded rather than raised; a server that died on it stops the run."""
+    import openai
+
+    try:
+        return ask(client, model, prompt["prompt"], max_tokens, token_ids)
+    except openai.OpenAIError as error:
+        proc.check_alive()
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+# ---- the figures
+
+
+def _rate(records: list[dict]) -> float | None:
+    seconds = sum(r["wall_s"] for r in records)
+    return sum(r["completion_tokens"] for r in records) / seconds if seconds > 0 else None
+
+
+def summarise(results: dict) -> dict:
+    """From the records alone: per server, pooled tokens/s over all kinds and per kind; the best llama-server
+    configuration per kind; each specdec server's ratio to it; answers with the same text as REFERENCE's."""
+    records = results["records"]
+    done = [r for r in records if "error" not in r]
+    baselines = [name for name, info in results["servers"].items() if info["baseline"]]
+    servers = list(dict.fromkeys([*results["servers"], *(r["server"] for r in records)]))
+    kinds = [kind for kind in KINDS if any(r["kind"] == kind for r in done)]
+    groups = defaultdict(list)
+    for r in done:
+        groups[r["server"], r["kind"]].append(r)
+        groups[r["server"], ALL_KINDS].append(r)
+    columns = [*kinds, ALL_KINDS]
+    rate = {server: {kind: _rate(groups[server, kind]) for kind in columns} for server in servers}
+    best = {}
+    for kind in columns:
+        measured = [(rate[name][kind], name) for name in baselines if rate[name][kind] is not None]
+        best[kind] = max(measured)[1] if measured else None
+    ratio = {server: {kind: (rate[server][kind] / rate[best[kind]][kind]
+                             if best[kind] and rate[server][kind] is not None else None) for kind in columns}
+             for server in servers if server not in baselines}
+    reference = {(r["round"], r["prompt_id"]): r["text"] for r in done if r["server"] == REFERENCE}
+    same_text = {}
+    for server in servers:
+        if server == REFERENCE or not reference:
+            continue
+        pairs = [(r["text"], reference[r["round"], r["prompt_id"]]) for r in done
+                 if r["server"] == server and (r["round"], r["prompt_id"]) in reference]
+        same_text[server] = {"same": sum(a == b for a, b in pairs), "compared": len(pairs)}
+    counts = {server: {"requests": sum(r["server"] == server for r in records),
+                       "failed": sum(r["server"] == server and "error" in r for r in records),
+                       "completion_tokens": sum(r["completion_tokens"] for r in groups[server, ALL_KINDS]),
+                       "wall_s": sum(r["wall_s"] for r in groups[server, ALL_KINDS]),
+                       "prompt_tokens_mean": (sum(r["prompt_tokens"] for r in groups[server, ALL_KINDS])
+                                              / len(groups[server, ALL_KINDS]) if groups[server, ALL_KINDS] else None)}
+              for server in servers}
+    return {"kinds": kinds, "servers": servers, "baselines": baselines, "tokens_per_s": rate, "best": best,
+            "vs_best": ratio, "same_text": same_text, "counts": counts}
+
+
+def _f(value, digits: int = 1, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def report(results: dict) -> str:
+    s = summarise(results)
+    columns = [*s["kinds"], ALL_KINDS]
+    settings, machine = results["settings"], results["machine"]
+    lines = ["# specdec serve against llama-server", "",
+             f"Command: `{results['command']}`  ",
+             f"Machine: {machine['cpu']}, {machine['cores']} cores, load average at start "
+             f"{', '.join(f'{x:.2f}' for x in machine.get('load_average_at_start', []))}  ",
+             f"llama-cpp-python {results['versions'].get('llama-cpp-python')}, specdec's kernel patch "
+             f"{results.get('patch_md5')}; llama-server (unpatched): `{results.get('llama_server', {}).get('path')}` "
+             f"({results.get('llama_server', {}).get('version')})  ",
+             f"Greedy chat completions of at most {settings['max_tokens']} tokens, {settings['threads']} threads per "
+             f"server, {settings['rounds']} round(s) of {settings['prompts']} prompts ({', '.join(s['kinds'])}); one "
+             "request at a time across all servers, each prompt answered by every server in turn (order rotated "
+             "per prompt). Wall time per request, prefill included; tokens/s pooled (all completion tokens / all "
+             "seconds).", "", "## Tokens/s", ""]
+    rows = []
+    for server in s["servers"]:
+        c = s["counts"][server]
+        vs = s["vs_best"].get(server, {}).get(ALL_KINDS)
+        rows.append([server, f"{c['requests'] - c['failed']}/{c['requests']}", str(c["completion_tokens"]),
+                     _f(c["wall_s"]), _f(c["prompt_tokens_mean"], 0)]
+                    + [_f(s["tokens_per_s"][server][kind], 2) for kind in columns]
+                    + ["(baseline)" if server in s["baselines"] else _f(vs, 2, "x")])
+    lines += _table(["server", "answered", "tokens", "seconds", "mean prompt tokens", *columns,
+                     "vs best llama-server"], rows)
+    ours = [server for server in s["servers"] if server not in s["baselines"]]
+    if ours and s["baselines"]:
+        lines += ["", "## specdec over the best llama-server configuration", "",
+                  "Per kind against the llama-server configuration fastest in that kind (named in the last row).", ""]
+        rows = [[server] + [_f(s["vs_best"][server][kind], 2, "x") for kind in columns] for server in ours]
+        rows.append(["best llama-server"] + [s["best"][kind] or "-" for kind in columns])
+        lines += _table(["server", *columns], rows)
+    if s["same_text"]:
+        lines += ["", "## Same answers", ""]
+        if "specdec" in s["same_text"]:
+            same = s["same_text"]["specdec"]
+            lines += [f"**specdec and {REFERENCE}: {same['same']}/{same['compared']} answers with identical text.**",
+                      ""]
+        lines += _table(["server", f"same text as {REFERENCE}"],
+                        [[server, f"{v['same']}/{v['compared']}"] for server, v in s["same_text"].items()])
+    lines += ["", "## Servers", ""]
+    lines += _table(["server", "command", "startup (s)"],
+                    [[name, f"`{shlex.join(info['command'])}`", _f(info.get("startup_s"))]
+                     for name, info in results["servers"].items()])
+    plans = {name: info["kernel_plan"] for name, info in results["servers"].items() if info.get("kernel_plan")}
+    for name, plan in plans.items():
+        lines += ["", f"Kernel plan of {name}: `{json.dumps(plan)}`"]
+    errors = sorted({r["error"] for r in results["records"] if "error" in r})
+    if errors:
+        lines += ["", "Errors: " + "; ".join(errors)]
+    return "\n".join(lines) + "\n"
+
+
+# ---- the subcommand
+
+
+def default_llama_server() -> Path:
+    """Where `make llama-server` builds the binary, keyed as the Makefile keys it: the CPU's flags line, the
+    llama-cpp-python version and the build script."""
+    script = NATIVE / "build-llama-server.sh"
+    if not script.is_file():
+        raise FileNotFoundError(f"{script} is missing (not a source checkout): pass --llama-server PATH")
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            flags = next((line for line in handle if line.startswith("flags")), "")
+    except OSError:
+        pass
+    cpu_key = hashlib.md5(flags.encode()).hexdigest()[:12]
+    script_key = hashlib.md5(script.read_bytes()).hexdigest()[:8]
+    return registry.cache_root() / "llama-server" / f"{cpu_key}-{_llama_cpp_version()}-{script_key}" / "llama-server"
+
+
+def _llama_cpp_version() -> str | None:
+    try:
+        return metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def patch_md5() -> str | None:
+    """The first 8 hex digits of the md5 of specdec's kernel patch, as the runtime under test was built with."""
+    patch = NATIVE / "llama.cpp-verify-columns.patch"
+    return hashlib.md5(patch.read_bytes()).hexdigest()[:8] if patch.is_file() else None
+
+
+def _names(text: str, known, flag: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if not names or unknown:
+        raise ValueError(f"{flag} takes some of {', '.join(known)}, separated by commas; got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def add_bench_servers_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "bench-servers", help="benchmark specdec serve against upstream llama-server, over HTTP",
+        description="Start upstream llama-server (plain, --spec-default n-gram speculation, -md draft model; built "
+                    "by `make llama-server`) and specdec serve (default drafter, and --draft none) as subprocesses "
+                    "on loopback ports and send each the same greedy chat prompts of six kinds, one request at a "
+                    "time, interleaved prompt by prompt. Writes results.json and report.md under --out.")
+    parser.add_argument("--servers", default=",".join(SERVERS),
+                        help="comma-separated servers to run (default: %(default)s)")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="prompt kinds (default: %(default)s)")
+    parser.add_argument("--llama-server", default=None,
+                        help="the llama-server binary (default: where `make llama-server` builds it)")
+    parser.add_argument("--target", default=registry.DEFAULT_TARGET,
+                        help="registry name or .gguf file of the target (default: %(default)s)")
+    parser.add_argument("--draft", default=registry.DEFAULT_DRAFT,
+                        help="the draft model, for llama-server -md and specdec serve (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=1, help="times the whole prompt set is sent (default: "
+                                                              "%(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of every server (default: every core this process may use)")
+    parser.add_argument("--startup-timeout", type=float, default=1800.0,
+                        help="seconds a server may take to become ready; specdec serve calibrates its kernels on "
+                             "the first start on a machine (default: %(default)s)")
+    parser.add_argument("--out", default="bench-servers-results", help="output folder (default: %(default)s)")
+    parser.set_defaults(func=run_bench_servers)
+    return parser
+
+
+def run_bench_servers(args) -> int:
+    from specdec.bench.runner import machine_info, save
+
+    names = _names(args.servers, SERVERS, "--servers")
+    kinds = tuple(_names(args.kinds, KINDS, "--kinds"))
+    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    if min(args.max_tokens, args.rounds, threads) < 1 or args.startup_timeout <= 0:
+        raise ValueError("--max-tokens, --rounds and --threads must be >= 1, --startup-timeout > 0")
+    binary = None
+    if any(SERVERS[name].baseline for name in names):
+        binary = Path(args.llama_server) if args.llama_server else default_llama_server()
+        if not binary.is_file():
+            raise FileNotFoundError(f"no llama-server at {binary}: build it with `make llama-server`"
+                                    + (" or pass --llama-server PATH" if not args.llama_server else ""))
+    setup = Setup(binary, args.target, args.draft, threads)
+    servers = [SERVERS[name].server(name, setup) for name in names]
+    prompts, warmup = load_prompts(kinds)
+    out = Path(args.out)
+    results = {"schema": SCHEMA, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
+               "versions": {"specdec": _version("specdec"), "llama-cpp-python": _llama_cpp_version(),
+                            "openai": _version("openai")},
+               "patch_md5": patch_md5(), "llama_server": _describe_binary(binary),
+               "settings": {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": threads,
+                            "kinds": list(kinds), "prompts": len(prompts), "context": CONTEXT,
+                            "target": args.target, "draft": args.draft},
+               "servers": {}, "records": []}
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # a `kill` stops the servers too, as Ctrl-C does
+    try:
+        run_servers(servers, prompts, warmup, args.max_tokens, args.rounds, out, results, args.startup_timeout)
+    except ServerError as error:
+        print(f"specdec: error: {error}", file=sys.stderr)
+        return 2
+    finally:  # what was measured before an error or Ctrl-C is kept, its report too
+        signal.signal(signal.SIGTERM, previous)
+        results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        results["machine"]["load_average_at_end"] = list(os.getloadavg())
+        if results["records"]:
+            save(results, out / "results.json")
+            _write(out / "report.md", report(results))
+    print((out / "report.md").read_text())
+    print(f"wrote {out}/results.json and {out}/report.md (server logs in {out}/logs)")
+    return 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _describe_binary(binary: Path | None) -> dict | None:
+    if binary is None:
+        return None
+    try:
+        shown = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+        version = " ".join((shown.stdout + shown.stderr).split()) or None
+    except (OSError, subprocess.TimeoutExpired):
+        version = None
+    return {"path": str(binary), "version": version}
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.tmp")
+    partial.write_text(text)
+    os.replace(partial, path)

@@ -1,0 +1,250 @@
+"""`specdec bench-servers` without llama-server or real models: the figures on synthetic records, the prompt file, the
+server-process wrapper, and whole runs against a stand-in OpenAI server (a small HTTP server in a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+from specdec import cli
+from specdec.bench import servers
+from specdec.bench.servers import REFERENCE, Config, Server, ServerError, ServerProcess
+
+# A stand-in for both llama-server and specdec serve: answers /health, /v1/models and greedy chat completions with
+# "<tag> " followed by the prompt's first words (one token each), token ids when asked, and /v1/specdec/plan when
+# started with a plan. argv: PORT TAG [PLAN]
+FAKE_SERVER = textwrap.dedent('''
+    import json, sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    port, tag = int(sys.argv[1]), sys.argv[2]
+    plan = sys.argv[3] if len(sys.argv) > 3 else None
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, status, body):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                self.reply(200, {"status": "ok"})
+            elif self.path == "/v1/models":
+                self.reply(200, {"object": "list", "data": [{"id": "fake-" + tag, "object": "model"}]})
+            elif self.path == "/v1/specdec/plan" and plan:
+                self.reply(200, {"plan": plan})
+            else:
+                self.reply(404, {"error": {"message": "no such route"}})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            assert body["model"] == "fake-" + tag and body["temperature"] == 0
+            words = body["messages"][-1]["content"].split()[: body["max_tokens"] - 1]
+            choice = {"index": 0, "finish_reason": "length",
+                      "message": {"role": "assistant", "content": " ".join([tag.split("-")[0], *words])}}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = list(range(len(words) + 1))
+            self.reply(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                             "choices": [choice], "usage": {"prompt_tokens": 7, "completion_tokens": len(words) + 1,
+                                                            "total_tokens": 8 + len(words)}})
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+''')
+
+
+@pytest.fixture
+def fake(tmp_path) -> Path:
+    path = tmp_path / "fake_server.py"
+    path.write_text(FAKE_SERVER)
+    return path
+
+
+def fake_argv(script: Path, tag: str, *plan: str) -> tuple[str, ...]:
+    return (sys.executable, str(script), servers.PORT, tag, *plan)
+
+
+# ---- the prompts and the schedule
+
+
+def test_prompt_file_has_two_prompts_of_each_of_six_kinds_and_a_separate_warm_up():
+    prompts, warmup = servers.load_prompts()
+    assert [p["kind"] for p in prompts] == [kind for kind in servers.KINDS for _ in range(2)]
+    assert len(servers.KINDS) == 6
+    assert len({p["id"] for p in prompts}) == 12 and warmup["id"] not in {p["id"] for p in prompts}
+    assert warmup["prompt"] not in {p["prompt"] for p in prompts}
+    for p in prompts:
+        assert set(p) == {"kind", "id", "prompt"} and len(p["prompt"].split()) >= 15, p["id"]
+    for p in prompts[:2]:  # code editing: a ~30-line function to copy back
+        code = p["prompt"].split("```python\n")[1].split("```")[0]
+        assert len(code.splitlines()) >= 25
+    assert servers.load_prompts(("chat", "maths"))[0] == [p for p in prompts if p["kind"] in ("chat", "maths")]
+
+
+def test_schedule_has_every_server_answer_every_prompt_in_a_rotating_order():
+    prompts = [{"id": str(i)} for i in range(4)]
+    turns = servers.schedule(prompts, ["a", "b", "c"], rounds=2)
+    assert [(r, p["id"]) for r, p, _ in turns] == [(r, str(i)) for r in range(2) for i in range(4)]
+    assert all(sorted(order) == ["a", "b", "c"] for _, _, order in turns)
+    assert [order[0] for _, _, order in turns] == ["a", "b", "c", "a", "b", "c", "a", "b"]
+
+
+# ---- the figures
+
+
+def record(server, kind, tokens, seconds, text="t", prompt_id=None, round_=0, **extra):
+    return {"server": server, "kind": kind, "prompt_id": prompt_id or kind, "round": round_, "prompt_tokens": 10,
+            "completion_tokens": tokens, "wall_s": seconds, "tokens_per_s": tokens / seconds, "text": text, **extra}
+
+
+def synthetic() -> dict:
+    records = [
+        # llama-a is the faster llama-server on chat, llama-b on maths and pooled
+        record("llama-a", "chat", 100, 10), record("llama-a", "maths", 100, 20),
+        record("llama-b", "chat", 80, 10), record("llama-b", "maths", 120, 10),
+        # pooled over a kind's requests: 30 tokens / 2 s + 30 / 1 s -> 60 / 3 = 20, not the mean rate (22.5)
+        record("specdec", "chat", 30, 2, prompt_id="c1"), record("specdec", "chat", 30, 1, prompt_id="c2"),
+        record("specdec", "maths", 240, 10, text="different"),
+        {"server": "specdec", "kind": "maths", "prompt_id": "m2", "round": 0, "error": "APIError: boom"},
+        record(REFERENCE, "chat", 50, 10, prompt_id="c1"), record(REFERENCE, "chat", 50, 10, prompt_id="c2"),
+        record(REFERENCE, "maths", 100, 10),
+    ]
+    info = {"command": ["x"], "startup_s": 1.0, "kernel_plan": None}
+    return {"servers": {"llama-a": {**info, "baseline": True}, "llama-b": {**info, "baseline": True},
+                        "specdec": {**info, "baseline": False}, REFERENCE: {**info, "baseline": False}},
+            "records": records}
+
+
+def test_summary_pools_tokens_over_seconds_and_compares_with_the_best_llama_server_per_kind():
+    s = servers.summarise(synthetic())
+    rate, best, ratio = s["tokens_per_s"], s["best"], s["vs_best"]
+    assert s["kinds"] == ["chat", "maths"] and s["baselines"] == ["llama-a", "llama-b"]
+    assert rate["specdec"]["chat"] == pytest.approx(20.0)
+    assert rate["specdec"]["all"] == pytest.approx(300 / 13)  # the failed request counts nowhere
+    assert rate["llama-a"]["all"] == pytest.approx(200 / 30) and rate["llama-b"]["all"] == pytest.approx(10.0)
+    assert best == {"chat": "llama-a", "maths": "llama-b", "all": "llama-b"}
+    assert ratio["specdec"]["chat"] == pytest.approx(20 / 10)
+    assert ratio["specdec"]["maths"] == pytest.approx(24 / 12)
+    assert ratio["specdec"]["all"] == pytest.approx((300 / 13) / 10)
+    assert ratio[REFERENCE]["all"] == pytest.approx((200 / 30) / 10)
+    assert "llama-a" not in ratio
+    assert s["same_text"]["specdec"] == {"same": 2, "compared": 3}
+    assert s["same_text"]["llama-a"] == {"same": 1, "compared": 1}  # only its maths prompt has a reference answer
+    assert s["counts"]["specdec"] == {"requests": 4, "failed": 1, "completion_tokens": 300, "wall_s": 13,
+                                      "prompt_tokens_mean": 10}
+
+
+def test_report_shows_the_ratios_the_best_configurations_and_the_identity_count():
+    results = {**synthetic(), "command": "specdec bench-servers", "versions": {"llama-cpp-python": "0.3.36"},
+               "machine": {"cpu": "cpu", "cores": 2, "load_average_at_start": [1.0, 1.0, 1.0]},
+               "settings": {"max_tokens": 32, "threads": 2, "rounds": 1, "prompts": 4}}
+    text = servers.report(results)
+    assert "**specdec and specdec-target-only: 2/3 answers with identical text.**" in text
+    assert "| specdec | 3/4 | 300 | 13.0 | 10 | 20.00 | 24.00 | 23.08 | 2.31x |" in text
+    assert "| best llama-server | llama-a | llama-b | llama-b |" in text
+    assert "Errors: APIError: boom" in text
+
+
+# ---- the server processes
+
+
+def test_a_server_that_exits_at_once_fails_with_its_status_and_output(tmp_path):
+    server = Server("quitter", (sys.executable, "-c", "import sys; print('no model here'); sys.exit(3)"))
+    with pytest.raises(ServerError, match=r"quitter exited with status 3(.|\n)*no model here"):
+        with ServerProcess(server, tmp_path / "quitter.log", startup_timeout=30):
+            pass
+
+
+def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
+    server = Server("sleeper", (sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(600)"))
+    proc = ServerProcess(server, tmp_path / "sleeper.log", startup_timeout=1)
+    with pytest.raises(ServerError, match=r"sleeper was not ready after 1 s(.|\n)*loading"):
+        proc.__enter__()
+    assert proc.process.returncode is not None  # terminated, not left behind
+
+
+def test_a_server_is_stopped_when_the_block_raises(fake, tmp_path):
+    proc = ServerProcess(Server("fake", fake_argv(fake, "a")), tmp_path / "fake.log")
+    with pytest.raises(KeyboardInterrupt):
+        with proc:
+            assert proc.get_json("/v1/models")["data"][0]["id"] == "fake-a"
+            raise KeyboardInterrupt
+    assert proc.process.returncode is not None
+
+
+# ---- whole runs against stand-ins
+
+
+def test_run_against_stand_ins_records_every_request_and_saves_the_results(fake, tmp_path):
+    under_test = [Server("llama-a", fake_argv(fake, "llama-a"), baseline=True),
+                  Server("specdec", fake_argv(fake, "same", "plan-1"), token_ids=True),
+                  Server(REFERENCE, fake_argv(fake, "same-ref"), token_ids=True)]
+    prompts, warmup = servers.load_prompts(("chat", "maths"))
+    results = {"servers": {}, "records": []}
+    servers.run_servers(under_test, prompts, warmup, max_tokens=5, rounds=2, out=tmp_path, results=results,
+                        startup_timeout=60, progress=False)
+    records = results["records"]
+    assert len(records) == 3 * 4 * 2 and not any("error" in r for r in records)
+    assert {(r["server"], r["round"], r["prompt_id"]) for r in records} == {
+        (s.name, round_, p["id"]) for s in under_test for round_ in range(2) for p in prompts}
+    assert all(r["completion_tokens"] == 5 and r["wall_s"] > 0 for r in records)
+    assert all((r["token_ids"] is not None) == (r["server"] != "llama-a") for r in records)
+    assert results["servers"]["specdec"]["kernel_plan"] == {"plan": "plan-1"}
+    assert results["servers"]["llama-a"]["kernel_plan"] is None and results["servers"][REFERENCE]["kernel_plan"] is None
+    assert results["servers"]["llama-a"]["model"] == "fake-llama-a"
+    assert json.loads((tmp_path / "results.json").read_text())["records"] == records
+    s = servers.summarise(results)
+    assert s["same_text"]["specdec"] == {"same": 8, "compared": 8}
+    assert s["same_text"]["llama-a"] == {"same": 0, "compared": 8}
+
+
+def test_the_command_writes_results_and_report_and_refuses_unknown_names(fake, tmp_path, monkeypatch):
+    monkeypatch.setattr(servers, "SERVERS", {
+        "llama-a": Config(True, lambda s: fake_argv(fake, "llama-a")),
+        "specdec": Config(False, lambda s: fake_argv(fake, "same")),
+        REFERENCE: Config(False, lambda s: fake_argv(fake, "same-ref")),
+    })
+    out = tmp_path / "out"
+    argv = ["bench-servers", "--kinds", "chat", "--max-tokens", "4", "--threads", "1", "--out", str(out),
+            "--llama-server", sys.executable]
+    assert cli.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert len(results["records"]) == 3 * 2 and results["settings"]["kinds"] == ["chat"]
+    assert results["versions"]["llama-cpp-python"] == servers._llama_cpp_version()
+    assert re.fullmatch(r"[0-9a-f]{8}", results["patch_md5"])
+    assert "**specdec and specdec-target-only: 2/2 answers with identical text.**" in (out / "report.md").read_text()
+    assert (out / "logs" / "llama-a.log").is_file()
+    assert cli.main([*argv, "--servers", "specdec,llama-nope"]) == 2
+    assert cli.main([*argv, "--kinds", "poetry"]) == 2
+
+
+def test_a_missing_llama_server_binary_says_to_run_make(tmp_path, capsys):
+    missing = tmp_path / "nowhere" / "llama-server"
+    assert cli.main(["bench-servers", "--servers", "llama-server", "--llama-server", str(missing),
+                     "--out", str(tmp_path / "out")]) == 2
+    assert "make llama-server" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_default_binary_path_is_where_the_makefile_builds_it():
+    try:
+        version = metadata.version("llama-cpp-python")
+    except metadata.PackageNotFoundError:
+        pytest.skip("llama-cpp-python is not installed")
+    root = Path(servers.__file__).resolve().parents[2]
+    shown = subprocess.run(["make", "-n", "-C", str(root), "llama-server", "LLAMA_CPP_VERSION=" + version],
+                           capture_output=True, text=True, check=True).stdout
+    assert f"[ ! -x {servers.default_llama_server()} ]" in shown
