@@ -66,12 +66,12 @@ bench: models-llama-cpp
 	$(BIN)/specdec bench --preset quick
 
 # Upstream llama-server, unpatched, from the same llama.cpp source as LLAMA_CPP: the baseline of `specdec bench-servers`
-# (about 5 minutes on 2 cores, once per CPU feature set and build script). specdec.bench.servers computes the same path.
+# (about 10 minutes on 2 cores, once per CPU feature set and build script). specdec.bench.servers computes the same path.
 LLAMA_SERVER_DIR := $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/llama-server/$(CPU_KEY)-$(LLAMA_CPP_VERSION)-$(shell md5sum native/build-llama-server.sh | cut -c1-8)
 
 llama-server: $(VENV)/.installed
 	@if [ ! -x $(LLAMA_SERVER_DIR)/llama-server ]; then \
-		echo "building upstream llama-server $(LLAMA_CPP_VERSION) (unpatched) for this CPU (about 5 minutes on 2 cores, once) into $(LLAMA_SERVER_DIR)"; \
+		echo "building upstream llama-server $(LLAMA_CPP_VERSION) (unpatched) for this CPU (about 10 minutes on 2 cores, once) into $(LLAMA_SERVER_DIR)"; \
 		native/build-llama-server.sh $(BIN)/python $(LLAMA_CPP_VERSION) $(LLAMA_SERVER_DIR); \
 	fi
 
