@@ -55,12 +55,13 @@ demo: models-llama-cpp
 	$(BIN)/specdec generate --chat --compare --max-new-tokens 96 --prompt "$(DEMO_PROMPT)"
 
 # The whole suite, real-model tests included (they fail rather than skip when the models are missing).
+# SPECDEC_GGML_INCLUDE: ggml's headers, kept beside the wheel, for the kernels' C-level test (tests/test_kernels.py).
 test: models
-	SPECDEC_REQUIRE_REAL_MODELS=1 $(BIN)/python -m pytest -q -p no:cacheprovider
+	SPECDEC_REQUIRE_REAL_MODELS=1 SPECDEC_GGML_INCLUDE=$(WHEELS)/include $(BIN)/python -m pytest -q -p no:cacheprovider
 
 # Tiny-model tests only: no model download.
 test-fast: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not real_model"
+	SPECDEC_GGML_INCLUDE=$(WHEELS)/include $(BIN)/python -m pytest -q -p no:cacheprovider -m "not real_model"
 
 bench: models-llama-cpp
 	$(BIN)/specdec bench --preset quick

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from specdec import bench, registry, server
+from specdec import bench, kernels, registry, server
 from specdec.options import add_generation_args, generator_from_args
 from specdec.runtimes import LLAMA_CPP
 
@@ -99,6 +99,7 @@ COMMANDS = {
     "bench": bench.add_bench_parser,
     "load": bench.add_load_parser,
     "bench-servers": bench.add_bench_servers_parser,
+    "kernels": kernels.add_kernels_parser,
 }
 
 

@@ -403,7 +403,7 @@ CALIBRATION_WIDTHS = range(2, 17)  # pass widths checked: up to 15 draft tokens,
 # Cached tokens before the checked passes: short; past the 512 cells where ggml's attention changes strategy for f16
 # caches; and a long context (prompts of a few pages). Beyond the longest, the engine verifies one token at a time.
 CALIBRATION_CONTEXTS = (16, 600, 4096)
-CALIBRATION_VERSION = 7  # bump when what is measured changes: older cached results are then measured again
+CALIBRATION_VERSION = 8  # bump when what is measured changes: older cached results are then measured again
 
 
 def _cached(model: LlamaCppModel, kind: str, measure) -> dict:
@@ -502,13 +502,15 @@ PREFILL_PROBE_TOKENS = 128  # a typical chat prompt, for timing prefills in each
 PREFILL_MIN_TOKENS = 32
 
 
-def choose_layouts(path: Path, threads: int) -> dict:
+def choose_layouts(path: Path, threads: int, details: bool = False) -> dict:
     """Which of llama.cpp's weight layouts, plain or repacked for the CPU, give this file on this CPU the faster
     one-token passes ("repack": by 3% or more) and the faster prompts ("prefill_repack"): measured once, in a worker
     process, since the repacked layouts crashed llama.cpp on an AMX Xeon (a crash there says plain for both), then
-    cached."""
+    cached. details: all that was measured (the times of every candidate kernel in each layout)."""
     found = _cached_json(Path(path), "layouts", f"{threads}|prefill", lambda: _measure_layouts(path, threads),
                          {"threads": threads})
+    if details:
+        return found
     return {"repack": found["repack"], "prefill_repack": found.get("prefill_repack", found["repack"])}
 
 
@@ -525,7 +527,8 @@ def _measure_layouts(path: Path, threads: int) -> dict:
         worker = subprocess.run([sys.executable, "-c", code, str(path), str(threads)], capture_output=True,
                                 text=True, timeout=LAYOUT_TIMING_TIMEOUT_S)
         exit_code = worker.returncode
-        (plain_s, repacked_s), (plain_prefill_s, repacked_prefill_s) = json.loads(worker.stdout.splitlines()[-1])
+        (plain, repacked), (plain_prefill_s, repacked_prefill_s) = json.loads(worker.stdout.splitlines()[-1])
+        plain_s, repacked_s = min(plain.values()), min(repacked.values())
     except subprocess.TimeoutExpired:  # hung: as good as a crash
         exit_code = "timeout"
     except (ValueError, IndexError):  # the worker died: with the repacked layouts, or at all
@@ -533,14 +536,15 @@ def _measure_layouts(path: Path, threads: int) -> dict:
     else:
         return {"repack": repacked_s < 0.97 * plain_s, "prefill_repack": repacked_prefill_s < 0.97 * plain_prefill_s,
                 "one_token_s": {"plain": plain_s, "repacked": repacked_s},
+                "one_token_s_by_kernel": {"plain": plain, "repacked": repacked},
                 "prefill_s": {"tokens": PREFILL_PROBE_TOKENS, "plain": plain_prefill_s, "repacked": repacked_prefill_s}}
     return {"repack": False, "prefill_repack": False, "worker_exit_code": exit_code}
 
 
 def _time_layouts(path: str, threads: int) -> None:
-    """In the worker: the median seconds of a one-token pass after 16 tokens under the fastest candidate kernel of
-    each layout (specdec.kernels.candidates, llama.cpp's own among them), and of a PREFILL_PROBE_TOKENS prompt, plain
-    and repacked layouts and the kernels interleaved, printed as JSON."""
+    """In the worker: the median seconds of a one-token pass after 16 tokens under each candidate kernel
+    (specdec.kernels.candidates, llama.cpp's own among them) in each layout, and of a PREFILL_PROBE_TOKENS prompt,
+    plain and repacked layouts and the kernels interleaved, printed as JSON."""
     import json
     import statistics
     import time
@@ -566,8 +570,8 @@ def _time_layouts(path: str, threads: int) -> None:
                 started = time.perf_counter()
                 runner.forward(tokens[:, 16:17])
                 times[kernel].append(time.perf_counter() - started)
-    print(json.dumps([[min(statistics.median(t[1:]) for t in times.values()) for times in one_token],
-                      [statistics.median(times) for times in prefill]]))
+    print(json.dumps([[{kernel.describe(): statistics.median(t[1:]) for kernel, t in times.items()}
+                       for times in one_token], [statistics.median(times) for times in prefill]]))
 
 
 def _probe_tokens(model: LlamaCppModel, n: int) -> torch.Tensor:

@@ -52,15 +52,26 @@ FAKE_SERVER = textwrap.dedent('''
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            assert body["model"] == "fake-" + tag and body["temperature"] == 0
-            words = body["messages"][-1]["content"].split()[: body["max_tokens"] - 1]
-            choice = {"index": 0, "finish_reason": "length",
-                      "message": {"role": "assistant", "content": " ".join([tag.split("-")[0], *words])}}
-            if body.get("return_token_ids"):
-                choice["token_ids"] = list(range(len(words) + 1))
-            self.reply(200, {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                             "choices": [choice], "usage": {"prompt_tokens": 7, "completion_tokens": len(words) + 1,
-                                                            "total_tokens": 8 + len(words)}})
+            assert body["model"] == "fake-" + tag and body["temperature"] == 0 and body["stream"]
+            words = [tag.split("-")[0], *body["messages"][-1]["content"].split()[: body["max_tokens"] - 1]]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+
+            def event(choices, usage=None):
+                chunk = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": body["model"],
+                         "choices": choices, "usage": usage}
+                self.wfile.write(("data: " + json.dumps(chunk) + "\\n\\n").encode())
+
+            for i, word in enumerate(words):  # one token a chunk, as the servers stream them
+                choice = {"index": 0, "delta": {"content": word if i == 0 else " " + word},
+                          "finish_reason": "length" if i == len(words) - 1 else None}
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = [i]
+                event([choice])
+            if body.get("stream_options", {}).get("include_usage"):
+                event([], {"prompt_tokens": 7, "completion_tokens": len(words), "total_tokens": 7 + len(words)})
+            self.wfile.write(b"data: [DONE]\\n\\n")
 
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 ''')
@@ -144,7 +155,17 @@ def test_summary_pools_tokens_over_seconds_and_compares_with_the_best_llama_serv
     assert s["same_text"]["specdec"] == {"same": 2, "compared": 3}
     assert s["same_text"]["llama-a"] == {"same": 1, "compared": 1}  # only its maths prompt has a reference answer
     assert s["counts"]["specdec"] == {"requests": 4, "failed": 1, "completion_tokens": 300, "wall_s": 13,
-                                      "prompt_tokens_mean": 10}
+                                      "prompt_tokens_mean": 10, "decode_tokens_per_s": None,
+                                      "first_token_s_median": None}  # not streamed: no first token to time
+
+
+def test_the_decode_rate_leaves_out_the_first_token_and_the_time_to_it():
+    """30 tokens in 4 s, the first after 1 s, and 11 in 3 s, the first after 2: (29 + 10) / (3 + 1) tokens/s, not
+    41 / 7 (which a slow prefill drags down)."""
+    records = [record("s", "chat", 30, 4, first_token_s=1.0), record("s", "chat", 11, 3, first_token_s=2.0),
+               record("s", "chat", 1, 1, first_token_s=0.5)]  # a one-token answer has no decode time
+    assert servers._decode_rate(records) == pytest.approx(39 / 4)
+    assert servers._decode_rate([record("s", "chat", 5, 1)]) is None
 
 
 def test_report_shows_the_ratios_the_best_configurations_and_the_identity_count():
@@ -200,7 +221,8 @@ def test_run_against_stand_ins_records_every_request_and_saves_the_results(fake,
     assert len(records) == 3 * 4 * 2 and not any("error" in r for r in records)
     assert {(r["server"], r["round"], r["prompt_id"]) for r in records} == {
         (s.name, round_, p["id"]) for s in under_test for round_ in range(2) for p in prompts}
-    assert all(r["completion_tokens"] == 5 and r["wall_s"] > 0 for r in records)
+    assert all(r["completion_tokens"] == 5 and r["wall_s"] >= r["first_token_s"] > 0 for r in records)
+    assert all(r["decode_tokens_per_s"] > 0 for r in records)
     assert all((r["token_ids"] is not None) == (r["server"] != "llama-a") for r in records)
     assert results["servers"]["specdec"]["kernel_plan"] == {"plan": "plan-1"}
     assert results["servers"]["llama-a"]["kernel_plan"] is None and results["servers"][REFERENCE]["kernel_plan"] is None

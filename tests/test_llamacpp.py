@@ -657,3 +657,19 @@ def test_batch_runners_refuse_what_they_cannot_do(model):
     runner.close()
     with pytest.raises(RuntimeError, match="closed"):
         runner.forward(torch.tensor([[1]]))
+
+
+def test_specdec_kernels_shows_and_writes_the_plan_and_every_candidates_times(gguf_path, tmp_path, capsys):
+    import json
+
+    from specdec import cli
+    from specdec.kernels import LLAMA_CPP, MAX_WIDTH
+
+    out = tmp_path / "plan.json"
+    assert cli.main(["kernels", "--target", gguf_path, "--threads", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert f"plan: {written['plan']}" in printed and written["threads"] == 1
+    assert sorted(map(int, written["calibration"]["pass_s"])) == list(range(1, MAX_WIDTH + 1))
+    assert all(LLAMA_CPP.describe() in times for times in written["calibration"]["pass_s"].values())
+    assert written["machine"]["cpu"] and "one_token_s" in written["layouts"]

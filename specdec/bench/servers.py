@@ -4,12 +4,13 @@ The baseline is what users run: llama-server built from the llama.cpp source tha
 vendors, without specdec's kernel patch (`make llama-server`), plain, with its n-gram speculation (--spec-default)
 and with the draft model (-md). Every server is a subprocess on a free loopback port; they start one after another
 (each loads, and specdec calibrates, alone) and then all stay up. The packaged prompts (data/server_prompts.json, six
-kinds) go to them as greedy chat completions through the official OpenAI client, non-streaming, one request in
+kinds) go to them as greedy chat completions through the official OpenAI client, streamed, one request in
 flight across all servers: every server answers a prompt in turn, the order rotated by one from prompt to prompt, so
 that drift in the machine's load falls on all alike. A request's wall time includes its prefill.
 
 Figures (summarise() derives them from the records alone):
   tokens/s               completion tokens / wall seconds, pooled over a server's requests (all, or of one kind)
+  decode tokens/s        the tokens after the first / the seconds after the first token, pooled: prefill left out
   vs best llama-server   a specdec server's tokens/s over the fastest llama-server configuration's: per kind, the
                          fastest in that kind; over all kinds, the fastest pooled
   same text              answers whose text equals specdec-target-only's on the same prompt and round: greedy
@@ -35,6 +36,7 @@ from importlib import metadata, resources
 from pathlib import Path
 
 from specdec import registry
+from specdec.bench.runner import kernel_patch_hash
 
 KINDS = ("code-edit", "document-qa", "chat", "maths", "translation", "summary")
 REFERENCE = "specdec-target-only"  # plain greedy decoding by specdec: the answers every other server is held to
@@ -64,6 +66,7 @@ class Server:
     argv: tuple[str, ...]
     baseline: bool = False  # a llama-server configuration: specdec's servers are compared with the best of these
     token_ids: bool = False  # answers carry their token ids when the request asks (specdec's return_token_ids)
+    env: tuple[tuple[str, str], ...] = ()  # set in the server's environment
 
     def command(self, port: int) -> list[str]:
         return [word.replace(PORT, str(port)) for word in self.argv]
@@ -84,10 +87,12 @@ class Config:
     """A configuration of the registry: llama-server's (a baseline) or specdec's, and its command for a Setup."""
     baseline: bool
     argv: Callable[[Setup], tuple[str, ...]]
+    env: tuple[tuple[str, str], ...] = ()
+    default: bool = True  # in the default --servers list
 
     def server(self, name: str, setup: Setup) -> Server:
         # specdec serve gives each answer's token ids (return_token_ids); llama-server only text
-        return Server(name, self.argv(setup), baseline=self.baseline, token_ids=not self.baseline)
+        return Server(name, self.argv(setup), baseline=self.baseline, token_ids=not self.baseline, env=self.env)
 
 
 # --spec-default is llama-server's own n-gram speculation preset (common/arg.cpp: ngram-mod drafts, a 24-token match,
@@ -101,7 +106,14 @@ SERVERS = {
                                                                "draft-simple")),
     "specdec": Config(False, lambda s: _specdec_serve(s, s.draft)),
     REFERENCE: Config(False, lambda s: _specdec_serve(s, "none")),
+    # The overhead pair: one-token decoding on the same kernels (llama.cpp's own) with the same cache settings (q8_0
+    # cache, flash attention), so that the decode rates differ only by what each server does per token around them.
+    "llama-server-q8": Config(True, lambda s: _llama_server(s, "-fa", "on", "-ctk", "q8_0", "-ctv", "q8_0"),
+                              default=False),
+    "specdec-target-only-own-kernels": Config(False, lambda s: _specdec_serve(s, "none"),
+                                              env=(("GGML_CPU_MULTI_COLUMN", "0"),), default=False),
 }
+DEFAULT_SERVERS = [name for name, config in SERVERS.items() if config.default]
 
 
 class ServerError(RuntimeError):
@@ -126,7 +138,7 @@ class ServerProcess:
         started = time.perf_counter()
         try:
             self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                            stderr=subprocess.STDOUT)
+                                            stderr=subprocess.STDOUT, env={**os.environ, **dict(self.server.env)})
             self._wait_ready()
         except BaseException:
             self.__exit__()
@@ -209,20 +221,34 @@ def schedule(prompts: list[dict], servers: list[str], rounds: int) -> list[tuple
 
 
 def ask(client, model: str, prompt: str, max_tokens: int, token_ids: bool) -> dict:
-    """One greedy chat completion -> the measured record (wall time from sending to the whole answer, prefill
-    included)."""
+    """One greedy chat completion, streamed -> the measured record: wall time from sending to the whole answer
+    (prefill included), time to the first token, and the decode rate after it (the tokens after the first over the
+    time after it), which is what per-token overhead shows in."""
     started = time.perf_counter()
-    response = client.chat.completions.create(
+    stream = client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True},
         extra_body={"return_token_ids": True} if token_ids else None)
+    texts, ids, first_s, finish, usage, stats = [], [], None, None, None, None
+    for chunk in stream:
+        extra = chunk.model_extra or {}
+        stats = extra.get("timings") or extra.get("specdec") or stats  # the server's own account, where it gives one
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            piece = choice.delta.content or ""
+            if piece and first_s is None:
+                first_s = time.perf_counter() - started
+            texts.append(piece)
+            ids += getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids") or []
+            finish = choice.finish_reason or finish
     wall_s = time.perf_counter() - started
-    choice, extra = response.choices[0], response.model_extra or {}
-    usage = response.usage
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens, "wall_s": wall_s,
-            "tokens_per_s": usage.completion_tokens / wall_s, "finish_reason": choice.finish_reason,
-            "text": choice.message.content, "token_ids": getattr(choice, "token_ids", None),
-            # the server's own account: llama-server's "timings" (draft_n, draft_n_accepted), specdec's stats
-            "server_stats": extra.get("timings") or extra.get("specdec")}
+    completion = usage.completion_tokens if usage is not None else None
+    decode_s = wall_s - first_s if first_s is not None else None
+    return {"prompt_tokens": usage.prompt_tokens if usage is not None else None, "completion_tokens": completion,
+            "wall_s": wall_s, "tokens_per_s": completion / wall_s if completion else 0.0, "first_token_s": first_s,
+            "decode_tokens_per_s": (completion - 1) / decode_s if completion and completion > 1 and decode_s else None,
+            "finish_reason": finish, "text": "".join(texts), "token_ids": ids if token_ids else None,
+            "server_stats": stats}
 
 
 def run_servers(servers: list[Server], prompts: list[dict], warmup: dict, max_tokens: int, rounds: int,
@@ -289,6 +315,13 @@ def _rate(records: list[dict]) -> float | None:
     return sum(r["completion_tokens"] for r in records) / seconds if seconds > 0 else None
 
 
+def _decode_rate(records: list[dict]) -> float | None:
+    """Tokens after the first over the seconds after the first token, pooled: the decode rate, prefill excluded."""
+    timed = [r for r in records if r.get("first_token_s") is not None and r["completion_tokens"] > 1]
+    seconds = sum(r["wall_s"] - r["first_token_s"] for r in timed)
+    return sum(r["completion_tokens"] - 1 for r in timed) / seconds if seconds > 0 else None
+
+
 def summarise(results: dict) -> dict:
     """From the records alone: per server, pooled tokens/s over all kinds and per kind; the best llama-server
     configuration per kind; each specdec server's ratio to it; answers with the same text as REFERENCE's."""
@@ -323,10 +356,19 @@ def summarise(results: dict) -> dict:
                        "completion_tokens": sum(r["completion_tokens"] for r in groups[server, ALL_KINDS]),
                        "wall_s": sum(r["wall_s"] for r in groups[server, ALL_KINDS]),
                        "prompt_tokens_mean": (sum(r["prompt_tokens"] for r in groups[server, ALL_KINDS])
-                                              / len(groups[server, ALL_KINDS]) if groups[server, ALL_KINDS] else None)}
+                                              / len(groups[server, ALL_KINDS]) if groups[server, ALL_KINDS] else None),
+                       "decode_tokens_per_s": _decode_rate(groups[server, ALL_KINDS]),
+                       "first_token_s_median": _median([r.get("first_token_s") for r in groups[server, ALL_KINDS]])}
               for server in servers}
     return {"kinds": kinds, "servers": servers, "baselines": baselines, "tokens_per_s": rate, "best": best,
             "vs_best": ratio, "same_text": same_text, "counts": counts}
+
+
+def _median(values: list) -> float | None:
+    import statistics
+
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _f(value, digits: int = 1, suffix: str = "") -> str:
@@ -360,9 +402,11 @@ def report(results: dict) -> str:
         rows.append([server, f"{c['requests'] - c['failed']}/{c['requests']}", str(c["completion_tokens"]),
                      _f(c["wall_s"]), _f(c["prompt_tokens_mean"], 0)]
                     + [_f(s["tokens_per_s"][server][kind], 2) for kind in columns]
-                    + ["(baseline)" if server in s["baselines"] else _f(vs, 2, "x")])
+                    + ["(baseline)" if server in s["baselines"] else _f(vs, 2, "x"),
+                       _f(c["decode_tokens_per_s"], 2), _f(c["first_token_s_median"], 2)])
     lines += _table(["server", "answered", "tokens", "seconds", "mean prompt tokens", *columns,
-                     "vs best llama-server"], rows)
+                     "vs best llama-server", "decode tokens/s (after the first token)", "median first token (s)"],
+                    rows)
     ours = [server for server in s["servers"] if server not in s["baselines"]]
     if ours and s["baselines"]:
         lines += ["", "## specdec over the best llama-server configuration", "",
@@ -412,16 +456,7 @@ def default_llama_server() -> Path:
 
 
 def _llama_cpp_version() -> str | None:
-    try:
-        return metadata.version("llama-cpp-python")
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def patch_md5() -> str | None:
-    """The first 8 hex digits of the md5 of specdec's kernel patch, as the runtime under test was built with."""
-    patch = NATIVE / "llama.cpp-verify-columns.patch"
-    return hashlib.md5(patch.read_bytes()).hexdigest()[:8] if patch.is_file() else None
+    return _version("llama-cpp-python")
 
 
 def _names(text: str, known, flag: str) -> list[str]:
@@ -439,8 +474,10 @@ def add_bench_servers_parser(subparsers) -> argparse.ArgumentParser:
                     "by `make llama-server`) and specdec serve (default drafter, and --draft none) as subprocesses "
                     "on loopback ports and send each the same greedy chat prompts of six kinds, one request at a "
                     "time, interleaved prompt by prompt. Writes results.json and report.md under --out.")
-    parser.add_argument("--servers", default=",".join(SERVERS),
-                        help="comma-separated servers to run (default: %(default)s)")
+    parser.add_argument("--servers", default=None,
+                        help=f"comma-separated servers to run, of {', '.join(SERVERS)} (default: "
+                             f"{','.join(DEFAULT_SERVERS)}; the last two are the overhead pair: llama.cpp's own "
+                             "kernels and a q8_0 cache with flash attention in both)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="prompt kinds (default: %(default)s)")
     parser.add_argument("--llama-server", default=None,
                         help="the llama-server binary (default: where `make llama-server` builds it)")
@@ -464,7 +501,8 @@ def add_bench_servers_parser(subparsers) -> argparse.ArgumentParser:
 def run_bench_servers(args) -> int:
     from specdec.bench.runner import machine_info, save
 
-    names = _names(args.servers, SERVERS, "--servers")
+    names = _names(args.servers or ",".join(name for name, config in SERVERS.items() if config.default), SERVERS,
+                   "--servers")
     kinds = tuple(_names(args.kinds, KINDS, "--kinds"))
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     if min(args.max_tokens, args.rounds, threads) < 1 or args.startup_timeout <= 0:
@@ -483,7 +521,7 @@ def run_bench_servers(args) -> int:
                "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
                "versions": {"specdec": _version("specdec"), "llama-cpp-python": _llama_cpp_version(),
                             "openai": _version("openai")},
-               "patch_md5": patch_md5(), "llama_server": _describe_binary(binary),
+               "patch_md5": kernel_patch_hash(), "llama_server": _describe_binary(binary),
                "settings": {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": threads,
                             "kinds": list(kinds), "prompts": len(prompts), "context": CONTEXT,
                             "target": args.target, "draft": args.draft},
