@@ -51,7 +51,7 @@ models-llama-cpp: setup
 models: models-llama-cpp
 	$(BIN)/specdec models pull $(MODELS)
 
-demo: models-llama-cpp
+demo: models-llama-cpp llama-server
 	$(BIN)/specdec generate --chat --compare --max-new-tokens 96 --prompt "$(DEMO_PROMPT)"
 
 # The whole suite, real-model tests included (they fail rather than skip when the models are missing).

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from specdec import bench, kernels, registry, server
 from specdec.options import add_generation_args, generator_from_args
@@ -42,7 +43,8 @@ def run_generate(args) -> int:
             warm.generate(args.prompt, **{**settings, "max_new_tokens": min(2, args.max_new_tokens)})
     out = gen.generate(args.prompt, **settings)
     baseline = plain.generate(args.prompt, **settings) if args.compare else None
-    llama_cpp = _plain_llama_cpp(gen, args, settings) if args.compare else None
+    llama_server = _llama_server(gen, args) if args.compare else None
+    llama_cpp = _plain_llama_cpp(gen, args, settings) if args.compare and llama_server is None else None
     if args.json:
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                   "stats": out.stats.to_dict(), "cross_vocabulary": gen.cross_vocabulary,
@@ -51,6 +53,8 @@ def run_generate(args) -> int:
             record["baseline"] = {"tokens_per_s": baseline.stats.tokens_per_s,
                                   "identical": baseline.token_ids == out.token_ids,
                                   "speedup": out.stats.tokens_per_s / baseline.stats.tokens_per_s}
+        if llama_server is not None:
+            record["llama_server"] = {"tokens_per_s": llama_server, "speedup": out.stats.tokens_per_s / llama_server}
         if llama_cpp is not None:
             record["llama_cpp"] = {"tokens_per_s": llama_cpp, "speedup": out.stats.tokens_per_s / llama_cpp}
         print(json.dumps(record))
@@ -63,13 +67,37 @@ def run_generate(args) -> int:
         same = "identical output" if baseline.token_ids == out.token_ids else "different samples"
         print(f"target-only: {baseline.stats.tokens_per_s:.2f} tokens/s -> speed-up "
               f"{out.stats.tokens_per_s / baseline.stats.tokens_per_s:.2f}x ({same})")
+    if llama_server is not None:
+        print(f"upstream llama-server (unpatched, its defaults, same file, over HTTP): {llama_server:.2f} tokens/s "
+              f"-> speed-up {out.stats.tokens_per_s / llama_server:.2f}x")
     if llama_cpp is not None:
         print(f"plain llama.cpp (llama-cpp-python's own loop, its default settings, same file): {llama_cpp:.2f} "
-              f"tokens/s -> speed-up {out.stats.tokens_per_s / llama_cpp:.2f}x")
+              f"tokens/s -> speed-up {out.stats.tokens_per_s / llama_cpp:.2f}x (build upstream llama-server with "
+              "`make llama-server` to compare with it instead)")
     if args.compare:
         for role, plan in gen.kernel_plans().items():
             print(f"kernel plan ({role}, passes of 1-16 tokens): {plan}")
     return 0
+
+
+def _llama_server(gen, args) -> float | None:
+    """Tokens/s of upstream llama-server on the target's file, where `make llama-server` has built it (llama.cpp
+    runtime, greedy, no stop strings); else None, and the comparison falls back to llama-cpp-python's loop."""
+    import tempfile
+
+    from specdec.bench.servers import default_llama_server, llama_server_rate
+
+    if gen.runtime is not LLAMA_CPP or args.temperature > 0 or args.stop:
+        return None
+    try:
+        binary = default_llama_server()
+    except FileNotFoundError:
+        return None
+    if not binary.is_file():
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        return llama_server_rate(binary, str(gen.target.path), gen.target.threads, args.prompt, args.max_new_tokens,
+                                 args.chat, Path(scratch) / "llama-server.log")
 
 
 def _plain_llama_cpp(gen, args, settings: dict) -> float | None:

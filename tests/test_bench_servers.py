@@ -270,3 +270,12 @@ def test_default_binary_path_is_where_the_makefile_builds_it():
     shown = subprocess.run(["make", "-n", "-C", str(root), "llama-server", "LLAMA_CPP_VERSION=" + version],
                            capture_output=True, text=True, check=True).stdout
     assert f"[ ! -x {servers.default_llama_server()} ]" in shown
+
+
+def test_generate_compares_with_llama_server_through_the_same_client(fake, tmp_path, monkeypatch):
+    """`specdec generate --compare` times upstream llama-server on the prompt (a warm-up first), through the same
+    streamed chat request as the benchmark; here against the stand-in."""
+    monkeypatch.setattr(servers, "_llama_server", lambda setup, *extra: fake_argv(fake, "llama-x"))
+    rate = servers.llama_server_rate(Path("unused"), "model.gguf", 2, "one two three four five", 4, chat=True,
+                                     log=tmp_path / "log")
+    assert rate > 0
