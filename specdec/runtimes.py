@@ -105,7 +105,8 @@ class TorchRuntime(Runtime):
 
 class LlamaCppRuntime(Runtime):
     name = "llama.cpp"
-    peers = {"llama-generate": "llama-cpp-python's own generation loop",
+    peers = {"llama-server": "upstream llama-server, unpatched, over HTTP (make llama-server)",
+             "llama-generate": "llama-cpp-python's own generation loop",
              "llama-lookup": "llama-cpp-python's prompt-lookup speculation"}
     baseline_peer = "llama-generate"
 

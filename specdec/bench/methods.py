@@ -6,6 +6,7 @@ transformers:  assisted generation with the draft model, prompt lookup, and plai
                (torch runtime)
 llama-cpp-python: its own generation loop and its own prompt-lookup speculation on the same GGUF file (llama.cpp
                runtime)
+llama-server:  upstream llama-server on the same GGUF file, over HTTP (llama.cpp runtime; `make llama-server`)
 
 A method is written NAME[@K]: "target-only", "draft@4", "draft@auto", "ngram@4", "self:7@4", "hf-assisted",
 "llama-lookup", or "model:MODEL@K" for a draft model other than the run's own (--draft), given like --target (e.g.
@@ -135,6 +136,53 @@ class LlamaCppPython(Method):
         self.peer.close()
 
 
+class LlamaServer(Method):
+    """Upstream llama-server (built by `make llama-server` without specdec's patch, its defaults) on the target's
+    GGUF file, a subprocess on a loopback port: each prompt goes to its /completion endpoint as token ids, greedy, and
+    the token ids of the answer come back. What users of llama.cpp run as a server."""
+
+    family = "llama-server"
+    out_of_process = True
+
+    def __init__(self, label: str, model, eos_ids: frozenset[int]):
+        import contextlib
+        import tempfile
+        from pathlib import Path
+
+        from specdec.bench.servers import Server, ServerProcess, Setup, _llama_server, default_llama_server
+
+        try:
+            binary = default_llama_server()
+        except FileNotFoundError as error:
+            raise MethodUnavailable(str(error)) from None
+        if not binary.is_file():
+            raise MethodUnavailable(f"llama-server is not built: run `make llama-server` (expected {binary})")
+        self.label, self.eos_ids = label, eos_ids
+        self._stack = contextlib.ExitStack()
+        scratch = Path(self._stack.enter_context(tempfile.TemporaryDirectory()))
+        setup = Setup(binary, str(model.path), str(model.path), model.threads)
+        self.process = self._stack.enter_context(ServerProcess(Server(label, _llama_server(setup), baseline=True),
+                                                               scratch / "llama-server.log"))
+
+    def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Output:
+        import httpx
+
+        if temperature > 0:
+            raise ValueError("the llama-server peer runs greedy only")
+        reply = httpx.post(f"{self.process.url}/completion", timeout=1800, json={
+            "prompt": prompt_ids[0].tolist(), "n_predict": max_new_tokens, "temperature": 0, "return_tokens": True})
+        reply.raise_for_status()
+        new = reply.json()["tokens"]
+        end = next((i for i, token in enumerate(new) if token in self.eos_ids), len(new))
+        return Output(new[:end])
+
+    def describe(self) -> dict:
+        return {**super().describe(), "command": self.process.argv}
+
+    def close(self) -> None:
+        self._stack.close()
+
+
 PEERS = tuple(peer for runtime in RUNTIMES.values() for peer in runtime.peers)
 LOOKUP_TOKENS = 10  # prompt_lookup_num_tokens, the value transformers' docs suggest
 
@@ -205,6 +253,8 @@ def _peer(name: str, gen: SpeculativeGenerator) -> Method:
     if name not in gen.runtime.peers:
         home = next(runtime for runtime in RUNTIMES.values() if name in runtime.peers)
         raise MethodUnavailable(f"{name} ({home.peers[name]}) runs on the {home.name} runtime (--runtime {home.name})")
+    if name == "llama-server":
+        return LlamaServer(name, gen.target, gen.eos_ids)
     if name.startswith("llama-"):
         return LlamaCppPython(name, gen.target, gen.eos_ids, LOOKUP_TOKENS if name == "llama-lookup" else None)
     if name == "hf-generate":

@@ -68,14 +68,15 @@ def summarise(results: dict) -> list[dict]:
     return rows
 
 
-PLAIN = ("target-only", "llama-generate")  # plain decoding: ours, and llama.cpp's own loop on the same file
+# plain decoding: ours, llama.cpp's own loop and upstream llama-server on the same file
+PLAIN = ("target-only", "llama-generate", "llama-server")
 
 
 def _add_plain_llama_cpp(rows: list[dict]) -> None:
     """Where llama.cpp's own loop ran: each row's pooled tokens/s over the faster plain decoder of its task."""
     for row in rows:
         row["over_plain"] = None
-    if not any(r["method"] == "llama-generate" for r in rows):
+    if not any(r["method"] in PLAIN[1:] for r in rows):
         return
     for group in {(r["temperature"], r["task"]) for r in rows}:
         members = [r for r in rows if (r["temperature"], r["task"]) == group]
@@ -214,8 +215,8 @@ def markdown(results: dict, rows: list[dict], plots: dict[str, str]) -> str:
         "Acceptance: accepted / drafted tokens. Mean accepted length: tokens per verify cycle, the recovered or bonus "
         "token included. CPU share: CPU seconds the run got / (wall seconds x compute threads); well below 1 means "
         "other processes took the cores and the timings of that row are inflated. Over plain llama.cpp (where "
-        "llama-generate ran): pooled tokens/s over the faster of target-only and llama-generate on the same "
-        "prompts.", "",
+        "llama-server or llama-generate ran): pooled tokens/s over the fastest of target-only, llama-server and "
+        "llama-generate on the same prompts.", "",
     ]
     for temperature in dict.fromkeys(r["temperature"] for r in rows):
         title = "greedy" if temperature == 0 else "sampling"

@@ -27,8 +27,8 @@ SAMPLING_TEMPERATURE = 0.7
 RESULTS_FILE = "results.json"
 
 ALL_METHODS = ("target-only", "draft@2", "draft@4", "draft@auto", "ngram@4", "ngram@auto", "suffix@4", "suffix@auto",
-               "hybrid@4", "hybrid@auto", "self@4", "hf-assisted", "hf-lookup", "hf-generate", "llama-generate",
-               "llama-lookup")
+               "hybrid@4", "hybrid@auto", "self@4", "hf-assisted", "hf-lookup", "hf-generate", "llama-server",
+               "llama-generate", "llama-lookup")
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,8 @@ PRESETS = {
     # skipped; on llama.cpp the same preset takes ~4 minutes.
     "quick": Preset("quick", prompts_per_task=1, max_new_tokens=32, max_prompt_tokens=128,
                     greedy=("target-only", "draft@2", "draft@4", "draft@auto", "ngram@4", "ngram@auto", "suffix@auto",
-                            "hybrid@auto", "hf-assisted", "hf-lookup", "hf-generate", "llama-generate", "llama-lookup"),
+                            "hybrid@auto", "hf-assisted", "hf-lookup", "hf-generate", "llama-server", "llama-generate",
+                            "llama-lookup"),
                     sampled=("target-only", "draft@4"), cost_reps=3),
     # Hours on 2 CPU cores; minutes on a workstation.
     "full": Preset("full", prompts_per_task=5, max_new_tokens=128, max_prompt_tokens=1024, greedy=ALL_METHODS,
