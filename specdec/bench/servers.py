@@ -436,6 +436,25 @@ def report(results: dict) -> str:
         rows = [[server] + [_f(s["vs_best"][server][kind], 2, "x") for kind in columns] for server in ours]
         rows.append(["best llama-server"] + [s["best"][kind] or "-" for kind in columns])
         lines += _table(["server", *columns], rows)
+    if settings["rounds"] > 1:
+        lines += ["", "## By round", "",
+                  "In round 1 every server sees each prompt for the first time. From round 2 on, llama-server answers "
+                  "prompts it has seen: its prompt cache in RAM restores their KV cache (the time to the first token "
+                  "shows it), and its n-gram speculation drafts from its own earlier answers; specdec keeps neither "
+                  "across requests.", ""]
+        rows = []
+        for round_ in range(settings["rounds"]):
+            part = summarise({**results, "records": [r for r in results["records"] if r["round"] == round_]})
+            for server in part["servers"]:
+                c = part["counts"][server]
+                vs = part["vs_best"].get(server, {}).get(ALL_KINDS)
+                ratios = [_f(part["vs_best"].get(server, {}).get(kind), 2, "x") for kind in s["kinds"]]
+                rows.append([str(round_ + 1), server, _f(part["tokens_per_s"][server][ALL_KINDS], 2),
+                             "(baseline)" if server in part["baselines"] else _f(vs, 2, "x"), *ratios,
+                             _f(c["decode_tokens_per_s"], 2), _f(c["first_token_s_median"], 2)])
+        lines += _table(["round", "server", "tokens/s (all)", "vs best llama-server (all)",
+                         *(f"vs best, {kind}" for kind in s["kinds"]), "decode tokens/s", "median first token (s)"],
+                        rows)
     if s["same_text"]:
         lines += ["", "## Same answers", ""]
         if "specdec" in s["same_text"]:
@@ -501,6 +520,8 @@ def add_bench_servers_parser(subparsers) -> argparse.ArgumentParser:
                              f"{','.join(DEFAULT_SERVERS)}; the last two are the overhead pair: llama.cpp's own "
                              "kernels and a q8_0 cache with flash attention in both)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="prompt kinds (default: %(default)s)")
+    parser.add_argument("--report", default=None,
+                        help="re-render report.md beside this results.json, measuring nothing")
     parser.add_argument("--llama-server", default=None,
                         help="the llama-server binary (default: where `make llama-server` builds it)")
     parser.add_argument("--target", default=registry.DEFAULT_TARGET,
@@ -522,6 +543,12 @@ def add_bench_servers_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_bench_servers(args) -> int:
     from specdec.bench.runner import machine_info, save
+
+    if args.report:  # re-render the report of a finished run
+        path = Path(args.report)
+        _write(path.with_name("report.md"), report(json.loads(path.read_text())))
+        print(path.with_name("report.md").read_text())
+        return 0
 
     names = _names(args.servers or ",".join(name for name, config in SERVERS.items() if config.default), SERVERS,
                    "--servers")
