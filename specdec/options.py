@@ -24,7 +24,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                         help="CPU threads per model (default: every core this process may use). On a shared "
                              "machine fewer threads than cores can be faster: a multi-token pass waits at each "
                              "barrier for a thread that is not running")
-    # int8 drafts measured 1.21x over target-only at k=4 with the default pair, fp32 drafts 0.95x (BENCHMARKS.md).
+    # int8 drafts measured 1.21x over target-only at k=4 with the default pair, fp32 drafts 0.95x
+    # (docs/benchmarks-history.md).
     parser.add_argument("--quantize-draft", choices=["auto", "int8", "none"], default="auto",
                         help="torch runtime: weights of a draft model, int8 (cheaper drafts, output unchanged) or "
                              "none (as loaded); auto (default): int8 on torch, the GGUF's own on llama.cpp")

@@ -165,7 +165,7 @@ def runtime_of(model) -> Runtime:
 
 def pick_runtime(requested: str | Runtime, spec) -> Runtime:
     """"auto" -> llama.cpp for a model it reads (registry name, .gguf file, loaded GGUF model) when it is installed
-    (faster on a CPU: see BENCHMARKS.md), else torch; an explicit runtime is checked and returned."""
+    (faster on a CPU: see docs/benchmarks-history.md), else torch; an explicit runtime is checked and returned."""
     if requested != "auto":
         try:
             return get_runtime(requested)
