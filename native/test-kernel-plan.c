@@ -7,8 +7,11 @@
 // they match are printed, for the record.
 //
 //   cc -O2 test-kernel-plan.c -I GGML_INCLUDE -L LIB -lggml -lggml-base -lggml-cpu -o test-kernel-plan
-//   ./test-kernel-plan            exit 0: every variant exact; 1: a mismatch (each printed)
-//   ./test-kernel-plan --flip     negative control: one bit of one result is flipped before comparing; must exit 1
+//   ./test-kernel-plan [LAYOUT]          exit 0: every variant exact; 1: a mismatch (each printed). LAYOUT, plain or
+//                                        repacked, runs that layout alone (llama.cpp's repacked layouts crashed its
+//                                        loop on an AMX Xeon: a crash there must not hide the plain layout's result)
+//   ./test-kernel-plan [LAYOUT] --flip   negative control: one bit of one result is flipped before comparing; must
+//                                        exit 1
 
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -106,7 +109,18 @@ static void multiply(ggml_backend_t backend, struct ggml_tensor * weights, const
 }
 
 int main(int argc, char ** argv) {
-    const bool flip = argc > 1 && strcmp(argv[1], "--flip") == 0;
+    bool flip = false;
+    const char * only = NULL;  // "plain" or "repacked"
+    for (int i = 1; i < argc; ++i) {
+        if (strcmp(argv[i], "--flip") == 0) {
+            flip = true;
+        } else if (!only && (strcmp(argv[i], "plain") == 0 || strcmp(argv[i], "repacked") == 0)) {
+            only = argv[i];
+        } else {
+            fprintf(stderr, "usage: %s [plain|repacked] [--flip]\n", argv[0]);
+            return 2;
+        }
+    }
     ggml_backend_t backend = ggml_backend_cpu_init();
     ggml_backend_buffer_type_t repacked = repack_buffer_type();
     const bool wide = ggml_cpu_kernel_flags_available() & KERNEL_WIDE;
@@ -136,6 +150,9 @@ int main(int argc, char ** argv) {
     } cases[] = { { GGML_TYPE_Q4_K, false }, { GGML_TYPE_Q6_K, false }, { GGML_TYPE_Q4_K, true } };
     int failures = 0, checks = 0;
     for (size_t ci = 0; ci < sizeof(cases) / sizeof(cases[0]); ++ci) {
+        if (only && (strcmp(only, "repacked") == 0) != cases[ci].repack) {
+            continue;
+        }
         if (cases[ci].repack && repacked == NULL) {
             printf("%s repacked: no repacked layout on this CPU, skipped\n", ggml_type_name(cases[ci].type));
             continue;

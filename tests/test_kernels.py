@@ -43,21 +43,28 @@ def kernel_test(tmp_path_factory) -> Path:
     return binary
 
 
-def test_every_kernel_variant_gives_one_column_results_bit_for_bit(kernel_test):
-    """Each multi-column variant (256/512-bit, each prefetch distance), at widths 1-16, Q4_K and Q6_K, plain and
-    repacked, on 1-3 threads: every column equals the column multiplied alone by llama.cpp's own kernels."""
-    result = subprocess.run([str(kernel_test)], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("layout", ["plain", "repacked"])
+def test_every_kernel_variant_gives_one_column_results_bit_for_bit(kernel_test, layout):
+    """Each multi-column variant (256/512-bit, each prefetch distance), at widths 1-16, Q4_K and Q6_K (plain) or Q4_K
+    (repacked, the one type x86 repacks), on 1-3 threads: every column equals the column multiplied alone by
+    llama.cpp's own kernels. Where llama.cpp's repacked layout crashes (its own loop did on an AMX Xeon), specdec
+    runs the plain one, and that case is skipped with the signal."""
+    result = subprocess.run([str(kernel_test), layout], capture_output=True, text=True, timeout=300)
+    if layout == "repacked" and result.returncode < 0:
+        pytest.skip(f"llama.cpp's repacked layout crashed on this CPU (signal {-result.returncode}); specdec's layout "
+                    "calibration then chooses the plain one")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
     passed, _, total = summary.split()[:3]
-    cases = 3 - result.stdout.count("skipped")  # Q4_K and Q6_K plain, Q4_K repacked where the CPU repacks
+    # Q4_K and Q6_K plain; Q4_K repacked where the CPU repacks it
+    cases = (2 if layout == "plain" else 1) - result.stdout.count("skipped")
     variants = len(kernels.candidates()) - 1  # every multi-column variant built for this CPU
     assert passed == total and int(total) == cases * 3 * MAX_WIDTH * variants, summary  # 1-3 threads, 1-16 columns
     assert "MISMATCH" not in result.stdout
 
 
 def test_negative_control_the_kernel_test_catches_one_flipped_bit(kernel_test):
-    result = subprocess.run([str(kernel_test), "--flip"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([str(kernel_test), "plain", "--flip"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stdout[-2000:]
     assert "MISMATCH" in result.stdout
 
