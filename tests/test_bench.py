@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from specdec.bench import report, runner
+from specdec.bench import methods, report, runner
 from specdec.bench.costs import per_token_acceptance, predicted_speedup
 from specdec.bench.workloads import TASKS, WorkloadMissing, load_prompt_file, packaged_file, select
 from specdec.cli import main
@@ -140,6 +140,34 @@ def test_ctrl_c_keeps_partial_results(bench_inputs, tmp_path, monkeypatch, capsy
     assert first == [("target-only", 0), ("draft@2", 0), ("hf-generate", 0), ("target-only", 0.7)]
     assert [r["method"] for r in results["records"] if r["prompt_index"] == 1] == ["target-only"]
     assert "Status: interrupted after 1 of 2 prompts" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize("how", ["loading fails", "interrupted before a run finished", "every method fails"])
+def test_a_run_with_nothing_measured_leaves_the_earlier_results_alone(how, bench_inputs, tmp_path, monkeypatch):
+    """A new run into the folder of an earlier one that fails or is interrupted before any run finished replaces
+    neither its results.json nor its report with a stub, and leaves no temporary file behind."""
+    earlier = {"schema": runner.SCHEMA, "status": "complete", "records": [{"method": "target-only"}]}
+    (tmp_path / runner.RESULTS_FILE).write_text(json.dumps(earlier))
+    (tmp_path / "report.md").write_text("the earlier run's report\n")
+    inputs, expected_code = bench_inputs, 1
+
+    def raises(error):
+        def run(*args, **kwargs):
+            raise error
+        return run
+
+    if how == "loading fails":
+        inputs, expected_code = (tmp_path / "no-such-model", *bench_inputs[1:]), 2
+    elif how == "interrupted before a run finished":
+        monkeypatch.setattr(runner, "measure", raises(KeyboardInterrupt))
+        expected_code = 130
+    else:
+        monkeypatch.setattr(methods.Ours, "run", raises(RuntimeError("broken")))  # dropped in warm-up
+    code = bench(inputs, tmp_path, "--preset", "smoke", "--methods", "target-only", "--sampled-methods", "")
+    assert code == expected_code
+    assert json.loads((tmp_path / runner.RESULTS_FILE).read_text()) == earlier
+    assert (tmp_path / "report.md").read_text() == "the earlier run's report\n"
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted([runner.RESULTS_FILE, "report.md"])
 
 
 @pytest.mark.parametrize("task, minimum", [("code", 164), ("summarisation", 1000), ("maths", 2000)])

@@ -120,7 +120,6 @@ def _run(args) -> int:
     schedule = None
     try:
         schedule = _prepare(args, preset, candidates, results)
-        save(results, path)
         progress = "off" if args.no_progress else "bar" if sys.stderr.isatty() else "lines"
         run_schedule(schedule, results, path, progress)
         results["status"] = "complete"
@@ -142,8 +141,8 @@ def _run(args) -> int:
         results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         results["machine"]["load_average_at_end"] = list(os.getloadavg())
         results["memory"]["peak_rss_mb"] = peak_rss_mb()
-        save(results, path)
-    return _finish(results, out_dir, path)
+        saved = save(results, path)  # not when no run finished: an earlier run's file stays as it was
+    return _finish(results, out_dir, path, saved)
 
 
 def _command_line(args) -> list[str]:
@@ -219,11 +218,18 @@ def _describe(schedule) -> dict:
     return {m.label: m.describe() for _, methods in schedule.by_temperature for m in methods}
 
 
-def _finish(results: dict, out_dir: Path, path: Path) -> int:
+def _finish(results: dict, out_dir: Path, path: Path, saved: bool) -> int:
+    """Render the report of what was saved and say where it is; with nothing saved, render nothing either, so that
+    an earlier run's report in out_dir keeps matching its results.json."""
     from specdec.bench import report
 
+    interrupted = results["status"] == "interrupted"
+    if not saved:
+        reason = "interrupted before a run finished" if interrupted else "no run finished (every method was skipped)"
+        print(f"\nspecdec bench: {reason}; nothing written to {out_dir}", file=sys.stderr)
+        return 130 if interrupted else 1
     markdown = report.render(results, out_dir)
-    if results["status"] == "interrupted":
+    if interrupted:
         done = results.get("progress", {})
         print(f"\nspecdec bench: interrupted after {done.get('prompts_done', 0)} of {done.get('prompts_total', '?')} "
               f"prompts; {len(results['records'])} finished runs kept in {path}, report in {markdown}",
@@ -237,6 +243,8 @@ def _finish(results: dict, out_dir: Path, path: Path) -> int:
 def _units(gen, candidates, preset, chat: bool) -> list:
     """Tokenise and pick each task's prompts, then interleave the tasks (code 0, summ. 0, maths 0, code 1, ...) so an
     interrupted run still covers every task."""
+    import torch
+
     from specdec.bench.runner import Unit
     from specdec.bench.workloads import select
 
@@ -244,7 +252,7 @@ def _units(gen, candidates, preset, chat: bool) -> list:
 
     def n_tokens(prompt) -> int:
         if prompt not in ids:
-            ids[prompt] = gen.encode(prompt.text, chat)
+            ids[prompt] = torch.tensor([gen.encode(prompt.text, chat)])  # [1, n]
         return ids[prompt].shape[1]
 
     per_task = [select(iter(prompts), preset.prompts_per_task, n_tokens, preset.max_prompt_tokens, prefer_long)

@@ -153,12 +153,28 @@ def new_results(preset: Preset, command: list[str], settings: dict) -> dict:
             "workloads": [], "costs": None, "memory": {}, "records": [], "progress": {}}
 
 
-def save(results: dict, path: Path) -> None:
-    """Write the results atomically: a reader (or a Ctrl-C) never sees half a file."""
+def save(results: dict, path: Path) -> bool:
+    """Write the results atomically if at least one run finished; -> whether the file was written.
+
+    Results without a finished run are a stub: written, they would replace an earlier run's file in the same folder
+    and pass for its results. Otherwise the JSON goes to a temporary file beside path that is renamed over it only
+    once complete, so a reader (or a Ctrl-C) never sees half a file, and a failed write leaves the old one as it was.
+    """
+    if not results["records"]:
+        return False
+    text = json.dumps(results, indent=1) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.tmp")
-    partial.write_text(json.dumps(results, indent=1) + "\n")
-    os.replace(partial, path)
+    try:
+        with open(partial, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(partial, path)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    return True
 
 
 def warm_up(schedule: Schedule, skipped: dict) -> None:
