@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from specdec.metrics import tested_tokens
+
 
 class FixedK:
     """The same k every cycle."""
@@ -52,9 +54,8 @@ class Acceptance:
         self.successes = self.trials = 0.0
 
     def observe(self, n_drafted: int, n_accepted: int) -> None:
-        # Tested tokens: the accepted ones and the first rejected one (the ones after it were never checked).
         self.successes = self.decay * self.successes + n_accepted
-        self.trials = self.decay * self.trials + n_accepted + (n_accepted < n_drafted)
+        self.trials = self.decay * self.trials + tested_tokens(n_drafted, n_accepted)
 
     @property
     def rate(self) -> float:

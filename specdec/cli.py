@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdec import bench, kernels, registry, server
+from specdec import bench, registry, server
 from specdec.options import add_generation_args, generator_from_args
 from specdec.runtimes import LLAMA_CPP
 
@@ -104,11 +104,11 @@ def _plain_llama_cpp(gen, args, settings: dict) -> float | None:
     """Tokens/s of llama.cpp's own greedy loop on the target's file (llama.cpp runtime, greedy only), warmed up."""
     import time
 
-    from specdec.llama_peer import LlamaCppPythonPeer, plain_settings
+    from specdec.runtimes.llamacpp.peer import LlamaCppPythonPeer, plain_settings
 
     if gen.runtime is not LLAMA_CPP or args.temperature > 0:  # llama-cpp-python's loop: GGUF files, greedy
         return None
-    prompt = gen.encode(args.prompt, args.chat)[0].tolist()
+    prompt = gen.encode(args.prompt, args.chat)
     peer = LlamaCppPythonPeer(str(gen.target.path), plain_settings(gen.target))
     try:
         peer.generate(prompt, min(2, args.max_new_tokens), gen.eos_ids)  # loads the model: untimed
@@ -127,7 +127,7 @@ COMMANDS = {
     "bench": bench.add_bench_parser,
     "load": bench.add_load_parser,
     "bench-servers": bench.add_bench_servers_parser,
-    "kernels": kernels.add_kernels_parser,
+    "kernels": bench.add_kernels_parser,
 }
 
 

@@ -6,6 +6,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 
+def tested_tokens(n_drafted: int, n_accepted: int) -> int:
+    """Draft tokens a cycle tested: its accepted ones and the first rejected one (those after it were never checked)."""
+    return n_accepted + (n_accepted < n_drafted)
+
+
 @dataclass
 class SpecStats:
     target_calls: int = 0  # target forward passes, prefill included
@@ -89,3 +94,17 @@ class SpecStats:
                 "total": self.total_s,
             },
         }
+
+
+def per_token_acceptance(stats: SpecStats) -> float | None:
+    """a of the i.i.d. model: accepted draft tokens / tested ones (tested_tokens), None if nothing was drafted.
+
+    accepted / drafted (SpecStats.acceptance_rate) underestimates a for k > 1. Tested tokens at position i > 0 are
+    the cycles that accepted position i-1 and drafted position i: exact when every cycle drafts the same k (the
+    last cycle of a generation may draft fewer, which counts at most one extra test per generation).
+    """
+    drafted, accepted = stats.drafted_by_position, stats.accepted_by_position
+    if not drafted or drafted[0] == 0:
+        return None
+    tested = drafted[0] + sum(min(accepted[i - 1], drafted[i]) for i in range(1, len(drafted)))
+    return sum(accepted) / tested

@@ -37,13 +37,16 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from specdec.generator import DEFAULT_MAX_BATCH, Batch
+from specdec.batching import Batch, Generation
+from specdec.generator import DEFAULT_MAX_BATCH
 from specdec.options import add_generation_args, generator_from_args
+from specdec.requests import ContextLengthExceeded
 
 if TYPE_CHECKING:
-    from specdec.generator import Chunk, SpeculativeGenerator
-    from specdec.generator import Request as GenerationRequest
+    from specdec.generator import SpeculativeGenerator
     from specdec.metrics import SpecStats
+    from specdec.output import Chunk
+    from specdec.requests import Request as GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +144,7 @@ class _Ticket:
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop):
         self.request, self.loop = request, loop
+        self.generation: Generation | None = None  # once the request has joined the batch
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancelled = False
 
@@ -160,7 +164,7 @@ class _Scheduler:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.batch, self.max_queue = Batch(generator, max_batch), max_queue
         self._waiting: deque[_Ticket] = deque()
-        self._active: dict[GenerationRequest, _Ticket] = {}
+        self._active: dict[Generation, _Ticket] = {}
         self._starting = 0  # requests taken from the queue whose prefill is running
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -201,10 +205,10 @@ class _Scheduler:
             with self._changed:
                 while not self._waiting and not self._active:
                     self._changed.wait()
-                for request, ticket in list(self._active.items()):
+                for generation, ticket in list(self._active.items()):
                     if ticket.cancelled:
-                        self.batch.drop(request)
-                        del self._active[request]
+                        self.batch.drop(generation)
+                        del self._active[generation]
                 # One request joins per cycle: the requests already decoding go on while prompts are read, and a
                 # new request's first token comes with the cycle right after its prefill, not after every prefill.
                 joining = [self._waiting.popleft()] if self._waiting and self.batch.has_room() else []
@@ -213,34 +217,30 @@ class _Scheduler:
                 self._start(ticket)
                 with self._changed:
                     self._starting -= 1
-            try:
-                chunks = self.batch.step()
-            except Exception as error:  # a failed pass: every request in it ends with the error
-                log.exception("a batched cycle failed")
-                for ticket in self._active.values():
-                    ticket.push(error)
-                self.batch.close()
-                self._active.clear()
-                continue
-            for request, chunk in chunks:
-                ticket = self._active[request]
-                ticket.push(chunk)
-                if chunk.finish_reason:
-                    del self._active[request]
+            for generation, outcome in self.batch.step():  # a request that fails ends alone, with its error
+                ticket = self._active[generation]
+                if isinstance(outcome, Exception):
+                    log.error("a request failed", exc_info=outcome)
+                    ticket.push(outcome)
+                    del self._active[generation]
+                    continue
+                ticket.push(outcome)
+                if outcome.finish_reason:
+                    del self._active[generation]
 
     def _start(self, ticket: _Ticket) -> None:
         try:
-            last = self.batch.add(ticket.request)
+            generation = ticket.generation = self.batch.add(ticket.request)
         except ValueError as error:  # the model refuses the request (prompt too long, ...)
             ticket.push(APIError(400, str(error)))
         except Exception as error:
             log.exception("a request failed to start")
             ticket.push(error)
         else:
-            if last is not None:
-                ticket.push(last)
+            if generation.last is not None:
+                ticket.push(generation.last)
             else:
-                self._active[ticket.request] = ticket
+                self._active[generation] = ticket
 
 
 class _Turn:
@@ -279,8 +279,8 @@ class _Turn:
         if not self._finished:
             self._finished = True
             self._scheduler.cancel(self._ticket)
-            if self._started:  # an aborted generation's tokens count too
-                self._on_last(self._ticket.request.stats)
+            if self._started and self._ticket.generation is not None:  # an aborted generation's tokens count too
+                self._on_last(self._ticket.generation.stats)
 
 
 class _TurnStream(StreamingResponse):
@@ -512,8 +512,8 @@ class _Service:
 
     def __init__(self, generator: SpeculativeGenerator, model_name: str, max_batch: int, max_queue: int):
         self.generator, self.model_name = generator, model_name
-        self.context = generator.context_length
         self.scheduler = _Scheduler(generator, max_batch, max_queue)
+        self.context = self.scheduler.batch.max_length  # tokens one request holds, prompt and completion
         self.metrics = _Metrics(lambda: self.scheduler.pending, lambda: self.scheduler.occupancy)
         self.created = int(time.time())
 
@@ -530,28 +530,30 @@ class _Service:
             if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
                 raise APIError(400, f"{name} is not supported by this server", name, "unsupported_parameter")
 
-    def settings(self, body: _Body, n_prompt: int, max_tokens: int, prompt_param: str) -> dict:
-        """The generator's keyword arguments; a completion that cannot fit in the context is refused up front."""
-        if n_prompt + max_tokens > self.context:
-            raise APIError(400, f"this model's context holds {self.context} tokens, but {n_prompt + max_tokens} were "
-                                f"requested ({n_prompt} in the {prompt_param}, {max_tokens} for the completion): "
-                                f"shorten the {prompt_param} or lower max_tokens",
-                           "max_tokens" if n_prompt < self.context else prompt_param, "context_length_exceeded")
-        return dict(max_new_tokens=max_tokens, temperature=1.0 if body.temperature is None else body.temperature,
-                    top_k=body.top_k, top_p=body.top_p, seed=body.seed,
-                    stop=[body.stop] if isinstance(body.stop, str) else body.stop or [])
+    async def build(self, body: _Body, prompt, chat: bool, max_tokens: int | None, param: str) -> GenerationRequest:
+        """The request, built and checked by the generator in a worker thread (the chat template and the tokenizer
+        are blocking work: the event loop keeps answering meanwhile). max_tokens None: what the context has room for.
+        A request that cannot fit in a sequence's context is refused here, with what to change."""
+        settings = dict(temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k,
+                        top_p=body.top_p, seed=body.seed,
+                        stop=[body.stop] if isinstance(body.stop, str) else body.stop or [])
+        try:
+            return await run_in_threadpool(self.generator.request, prompt, max_tokens, chat=chat,
+                                           max_length=self.context, **settings)
+        except ContextLengthExceeded as error:
+            raise APIError(400, str(error), param if error.prompt_too_long else "max_tokens",
+                           "context_length_exceeded") from error
+        except (ValueError, TypeError, UnicodeError) as error:  # TypeError: text the tokenizer cannot take
+            raise APIError(400, f"the {param} cannot be used: {error}", param) from error
 
-    async def respond(self, request: Request, body: _Body, prompt_ids: list[int], settings: dict, chat: bool,
+    async def respond(self, request: Request, body: _Body, generation: GenerationRequest, chat: bool,
                       started: float) -> Response:
         endpoint = request.url.path
-        reply = _Reply(chat, self.model_name, len(prompt_ids), bool(body.return_token_ids))
-        try:
-            generation = self.generator.request(prompt_ids, **settings)
-        except ValueError as error:
-            raise APIError(400, str(error)) from error
+        n_prompt = len(generation.prompt_ids)
+        reply = _Reply(chat, self.model_name, n_prompt, bool(body.return_token_ids))
         turn = _Turn(self.scheduler, self.scheduler.submit(generation),
                      on_first=lambda: self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started),
-                     on_last=lambda stats: self.metrics.observe_generation(len(prompt_ids), stats))
+                     on_last=lambda stats: self.metrics.observe_generation(n_prompt, stats))
         try:
             first = await turn.next(request)  # waits in the queue; a bad request is refused here, while a 400 can be sent
         except BaseException:
@@ -607,36 +609,18 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
     async def completions(body: CompletionBody, request: Request) -> Response:
         started = time.perf_counter()
         service.check(body)
-        try:  # tokenizing is blocking work: a worker thread, so that the event loop keeps answering
-            prompt_ids = (await run_in_threadpool(generator.encode, body.prompt))[0].tolist()  # as `generate` does
-        except (ValueError, TypeError, UnicodeError) as error:  # TypeError: text the tokenizer cannot take
-            raise APIError(400, f"the prompt cannot be tokenized: {error}", "prompt") from error
         max_tokens = COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        settings = service.settings(body, len(prompt_ids), max_tokens, "prompt")
-        return await service.respond(request, body, prompt_ids, settings, chat=False, started=started)
+        generation = await service.build(body, body.prompt, False, max_tokens, "prompt")
+        return await service.respond(request, body, generation, chat=False, started=started)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Response:
         started = time.perf_counter()
         service.check(body)
-        tokenizer = generator.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, "this model has no chat template: use /v1/completions", "messages")
-        from jinja2 import TemplateError  # here: only chat templates need jinja2
-
-        try:
-            text = tokenizer.apply_chat_template([m.as_template_input() for m in body.messages], tokenize=False,
-                                                 add_generation_prompt=True)
-        except (TemplateError, ValueError) as error:  # e.g. the template refuses a role or the order of messages
-            raise APIError(400, f"the chat template refused the messages: {error}", "messages") from error
-        try:  # the template wrote the special tokens; tokenizing in a worker thread keeps the event loop free
-            prompt_ids = (await run_in_threadpool(tokenizer, text, add_special_tokens=False))["input_ids"]
-        except (ValueError, TypeError, UnicodeError) as error:
-            raise APIError(400, f"the messages cannot be tokenized: {error}", "messages") from error
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = max(service.context - len(prompt_ids), 0) if requested is None else requested
-        settings = service.settings(body, len(prompt_ids), max_tokens, "messages")
-        return await service.respond(request, body, prompt_ids, settings, chat=True, started=started)
+        messages = [message.as_template_input() for message in body.messages]
+        generation = await service.build(body, messages, True, requested, "messages")
+        return await service.respond(request, body, generation, chat=True, started=started)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -656,7 +640,7 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
 
     @app.get("/v1/specdec/plan")
     async def kernel_plan() -> dict:
-        """Which kernels the models run their passes with (specdec.kernels), as the calibration chose them."""
+        """Which kernels the models run their passes with (runtimes.llamacpp.kernels), as the calibration chose them."""
         return {"kernel_plans": generator.kernel_plans()}
 
     @app.get("/metrics")

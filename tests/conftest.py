@@ -125,6 +125,26 @@ class ToyRunner:
     def rollback(self, length: int) -> None:
         del self.tokens[length:]
 
+    pool = None  # a runner of no pool: each pass its own
+
+    def verify_width(self, length: int) -> None:
+        return None  # exact at any width: its logits are a function of the context alone
+
+    def close(self) -> None:
+        self.tokens = []
+
+
+def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: set[int] = frozenset()) -> list[int]:
+    """Plain greedy without any cache: the whole sequence through the model for every token."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            token = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            if token in eos:
+                break
+            ids.append(token)
+    return ids[len(prompt):]
+
 
 @pytest.fixture(scope="session")
 def llama_pair():

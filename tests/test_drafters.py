@@ -21,12 +21,12 @@ from specdec.drafters.suffix import SEPARATOR
 from specdec.engine import speculative_decode
 from specdec.generator import SpeculativeGenerator
 from specdec.metrics import SpecStats
-from specdec.runners import TorchRunner
+from specdec.runtimes.pytorch import TorchRunner
 from specdec.sampling import SamplingConfig, make_generator
 
 import test_statistical
 from conftest import ToyRunner, char_tokenizer, tiny_model
-from test_engine import reference_greedy
+from conftest import reference_greedy
 from test_statistical import chi_square_p_value, sample_sequences, target_distribution
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,7 +8,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specdec import SpeculativeGenerator
 from specdec.models import IncompatibleVocabulary
-from specdec.runners import RollbackUnsupported, new_runner
+from specdec.runtimes.pytorch import RollbackUnsupported, TorchRunner
 
 from conftest import char_tokenizer, close_draft, tiny_model
 
@@ -66,7 +66,7 @@ def test_a_seeded_sample_does_not_depend_on_what_the_generator_served_before(pai
     a seeded sample drafts with a drafter of its own, so the same prompt and seed give the same sample after other
     requests (and a greedy request still uses the history). Negative control: sharing the drafter's history, the
     samples differ."""
-    from specdec import generator as generator_module
+    from specdec.requests import Request
 
     target, _ = pair
     gen = SpeculativeGenerator(target, "suffix", k=4, tokenizer=tokenizer)
@@ -80,8 +80,8 @@ def test_a_seeded_sample_does_not_depend_on_what_the_generator_served_before(pai
         return runs
 
     assert len(samples()) == 1
-    assert len(gen.drafter._history) >= 2  # the greedy requests did grow the shared history
-    monkeypatch.setattr(generator_module.Request, "seeded_sample", property(lambda self: False))
+    assert len(gen.drafter.history) >= 2  # the greedy requests did grow the shared history
+    monkeypatch.setattr(Request, "seeded_sample", property(lambda self: False))
     assert len(samples()) > 1
 
 
@@ -194,7 +194,7 @@ def test_quantizing_a_passed_in_model_is_refused(pair):
 
 
 def one_at_a_time_vs_together(model, ids):
-    from specdec.runners import TorchRunner
+    from specdec.runtimes.pytorch import TorchRunner
 
     together = TorchRunner(model, VOCAB).forward(ids)[0]
     one = TorchRunner(model, VOCAB)
@@ -222,7 +222,7 @@ def test_int8_passes_reproduce_one_token_passes_bit_for_bit_and_torch_dynamic_in
                                       dtype=torch.qint8)
     together, alone = one_at_a_time_vs_together(torch_int8, ids)
     assert not torch.equal(together, alone)
-    assert new_runner(torch_int8, VOCAB).verify_width(0) == 1  # such a model is verified one token at a time
+    assert TorchRunner(torch_int8, VOCAB).verify_width(0) == 1  # such a model is verified one token at a time
     gen = SpeculativeGenerator(torch_int8, torch_int8, k=4)
     assert gen.generate([1, 2, 3], max_new_tokens=8).stats.drafted_tokens == 0
 
@@ -233,7 +233,7 @@ def test_int8_target_speculation_equals_int8_target_only(tmp_path, tokenizer):
     tokenizer.save_pretrained(tmp_path / "target")
     gen = SpeculativeGenerator(str(tmp_path / "target"), str(tmp_path / "target"), k=4, tokenizer=tokenizer,
                                target_quantization="int8", draft_quantization="int8")
-    assert new_runner(gen.target, gen.vocab_size).verify_width(0) is None
+    assert TorchRunner(gen.target, gen.vocab_size).verify_width(0) is None
     baseline = SpeculativeGenerator(gen.target, None, tokenizer=tokenizer)
     for prompt in ["def g(y):", "abc abc abc"]:
         out = gen.generate(prompt, max_new_tokens=16)
@@ -321,9 +321,11 @@ class JitteryClock:
 
 
 def test_the_same_seed_gives_the_same_sample_under_k_auto(gen, monkeypatch):
+    import specdec.batching
     import specdec.engine
 
     monkeypatch.setattr(specdec.engine, "time", JitteryClock())
+    monkeypatch.setattr(specdec.batching, "time", JitteryClock())
     settings = dict(max_new_tokens=40, temperature=0.8, seed=3, k="auto")
     runs = {tuple(gen.generate("abc", **settings).token_ids) for _ in range(6)}
     assert len(runs) == 1
@@ -331,12 +333,13 @@ def test_the_same_seed_gives_the_same_sample_under_k_auto(gen, monkeypatch):
 
 def test_negative_control_a_clock_driven_k_changes_the_sample(gen, monkeypatch):
     """What the test above guards against: k chosen from wall-clock times consumes the random stream differently."""
+    import specdec.batching
     import specdec.engine
-    import specdec.generator
     from specdec.adaptive import make_k_policy
 
     monkeypatch.setattr(specdec.engine, "time", JitteryClock())
-    monkeypatch.setattr(specdec.generator, "make_k_policy", lambda k, timed, **priors: make_k_policy(k, **priors))
+    monkeypatch.setattr(specdec.batching, "time", JitteryClock())
+    monkeypatch.setattr(specdec.batching, "make_k_policy", lambda k, timed, **priors: make_k_policy(k, **priors))
     settings = dict(max_new_tokens=40, temperature=0.8, seed=3, k="auto")
     runs = {tuple(gen.generate("abc", **settings).token_ids) for _ in range(6)}
     assert len(runs) > 1

@@ -160,7 +160,8 @@ def sample_sequences_in_batches(n_new: int, sampling: SamplingConfig, batch: int
     """DRAWS sequences, decoded `batch` at a time by batch_cycle: deterministic and model drafters in turn, with the
     ks in turn, so that every cycle mixes proposals of different lengths and acceptance is ragged (with pass_cost
     sub_passes: the shorter drafts padded; ks (2, 1): every model draft)."""
-    from specdec.engine import Decoding, batch_cycle
+    from specdec.batching import batch_cycle
+    from specdec.engine import Decoding
 
     counts: dict[tuple[int, ...], int] = {}
     generator = make_generator(4321)
@@ -230,7 +231,7 @@ def cross_vocab_drafter(drafter_class=None):
     assert len(target) == VOCAB
     vocab = Vocabularies(target, len(target), draft, len(draft))
     make = lambda: ToyRunner(len(draft), seed=99, scale=2.0)  # noqa: E731
-    return (drafter_class or CrossVocabDrafter)(make, make, vocab)
+    return (drafter_class or CrossVocabDrafter)(make, vocab)
 
 
 def test_cross_vocabulary_sampling_matches_target_distribution():

@@ -8,10 +8,12 @@ report.py     summary figures, Markdown and PNG plots, from the JSON alone
 command.py    the subcommand
 load.py       `specdec load`: concurrent clients against the server, one request at a time vs batched
 servers.py    `specdec bench-servers`: specdec serve against upstream llama-server, each a process driven over HTTP
+kernels.py    `specdec kernels`: the kernel plan of a GGUF model on this machine, every candidate's pass times
 """
 
 from specdec.bench.command import add_bench_parser
+from specdec.bench.kernels import add_kernels_parser
 from specdec.bench.load import add_load_parser
 from specdec.bench.servers import add_bench_servers_parser
 
-__all__ = ["add_bench_parser", "add_bench_servers_parser", "add_load_parser"]
+__all__ = ["add_bench_parser", "add_bench_servers_parser", "add_kernels_parser", "add_load_parser"]

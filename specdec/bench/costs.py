@@ -18,9 +18,9 @@ import time
 import torch
 
 from specdec.adaptive import expected_tokens
-from specdec.metrics import SpecStats
+from specdec.metrics import per_token_acceptance  # noqa: F401  (the report reads it from here)
 from specdec.models import model_vocab_size
-from specdec.runners import Runner, new_runner
+from specdec.runtimes import Runner, runtime_of
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per target pass on the verify-cost curve
 WARM_CONTEXT = 200  # tokens in the cache before each timed pass: a typical prompt, not an empty cache
@@ -34,19 +34,9 @@ def predicted_speedup(acceptance: float, k: int, c: float, verify_ratio: float) 
     return expected_tokens(acceptance, k) / (k * c + verify_ratio)
 
 
-def per_token_acceptance(stats: SpecStats) -> float | None:
-    """a of the i.i.d. model: accepted draft tokens / tested ones, None if nothing was drafted.
-
-    A cycle tests its draft tokens up to and including the first rejected one; those after it are never tested, so
-    accepted / drafted (SpecStats.acceptance_rate) underestimates a for k > 1. Tested tokens at position i > 0 are
-    the cycles that accepted position i-1 and drafted position i: exact when every cycle drafts the same k (the
-    last cycle of a generation may draft fewer, which counts at most one extra test per generation).
-    """
-    drafted, accepted = stats.drafted_by_position, stats.accepted_by_position
-    if not drafted or drafted[0] == 0:
-        return None
-    tested = drafted[0] + sum(min(accepted[i - 1], drafted[i]) for i in range(1, len(drafted)))
-    return sum(accepted) / tested
+def _private_sequence(model, vocab_size: int) -> Runner:
+    """A sequence of the model's own pool of one (a benchmark runs nothing beside it)."""
+    return runtime_of(model).pool(model).take(vocab_size)
 
 
 def _pass_s(runner: Runner, new_ids: torch.Tensor, last_only: bool) -> float:
@@ -68,13 +58,13 @@ def measure_costs(target, draft, vocab_size: int, context: torch.Tensor, widths=
     lands in "c_by_draft"."""
     widths = sorted(set(widths) | {1})
     new_ids = context[:, : max(widths)].flip(1)  # [1, max width]: any in-vocabulary tokens will do
-    target_runner = new_runner(target, vocab_size)
+    target_runner = _private_sequence(target, vocab_size)
     target_runner.forward(context, last_only=True)
     drafts = {name: model for name, model in {"draft": draft, **(other_drafts or {})}.items() if model is not None}
     draft_runners = {}
     for name, model in drafts.items():
         own = model_vocab_size(model)  # a draft with its own vocabulary reads ids below its size: any will do
-        draft_runners[name] = (new_runner(model, min(vocab_size, own)), new_ids[:, :1] % own)
+        draft_runners[name] = (_private_sequence(model, min(vocab_size, own)), new_ids[:, :1] % own)
         draft_runners[name][0].forward(context % own, last_only=True)
     target_s = {w: [] for w in widths}
     draft_s = {name: [] for name in drafts}

@@ -111,7 +111,7 @@ class LlamaCppPython(Method):
     """llama-cpp-python's own `Llama.generate` loop, greedy, optionally with its prompt-lookup speculation.
 
     It loads the same GGUF file again (memory-mapped, so the weights are shared through the page cache) in a worker
-    process of its own (specdec.llama_peer: a crash there cannot take the benchmark down), with llama.cpp's default
+    process of its own (runtimes.llamacpp.peer: a crash there cannot take the benchmark down), with llama.cpp's default
     context settings: what a user of llama.cpp runs.
     """
 
@@ -119,7 +119,7 @@ class LlamaCppPython(Method):
     out_of_process = True
 
     def __init__(self, label: str, model, eos_ids: frozenset[int], lookup_tokens: int | None = None):
-        from specdec.llama_peer import LlamaCppPythonPeer, plain_settings
+        from specdec.runtimes.llamacpp.peer import LlamaCppPythonPeer, plain_settings
 
         self.label, self.eos_ids, self.lookup_tokens = label, eos_ids, lookup_tokens
         self.peer = LlamaCppPythonPeer(str(model.path), plain_settings(model), lookup_tokens)

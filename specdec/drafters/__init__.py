@@ -11,7 +11,6 @@ from specdec.drafters.base import Drafter, NoDrafter, Proposal
 from specdec.drafters.cross_vocab import CrossVocabDrafter, Vocabularies
 from specdec.drafters.model import ModelDrafter
 from specdec.models import IncompatibleVocabulary, own_vocab_size, shared_vocab_size, vocabulary_difference
-from specdec.runners import new_runner
 from specdec.runtimes import TORCH, Runtime, runtime_of
 
 
@@ -56,11 +55,11 @@ def model_drafter(draft_model, target: TargetInfo, draft_tokenizer=None) -> Mode
     vocab = _other_vocabulary(draft_model, target, draft_tokenizer)
     size = vocab.draft_size if vocab else shared_vocab_size(target.model, target.tokenizer, draft_model,
                                                             draft_tokenizer)
-    batch_runner = getattr(draft_model, "new_batch_runner", None)
-    make_runner = lambda: new_runner(draft_model, size)  # noqa: E731
-    make_fork_runner = (lambda: batch_runner(size)) if batch_runner is not None else None
-    return CrossVocabDrafter(make_runner, make_fork_runner, vocab) if vocab else ModelDrafter(make_runner,
-                                                                                              make_fork_runner)
+    runtime = runtime_of(draft_model)
+    make_runner = lambda: runtime.pool(draft_model).take(size)  # noqa: E731  (a fork takes a batch's pool instead)
+    if vocab:
+        return CrossVocabDrafter(make_runner, vocab, draft_model, size)
+    return ModelDrafter(make_runner, draft_model, size)
 
 
 def _other_vocabulary(draft_model, target: TargetInfo, draft_tokenizer) -> Vocabularies | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 
@@ -40,6 +41,9 @@ class Proposal:
         return replace(self, tokens=torch.cat([self.tokens, filler], dim=1), probs=probs)
 
 
+Pools = Callable[[object], "SequencePool"]  # a loaded model -> the pool its sequences come from (runtimes.base)
+
+
 class Drafter:
     """Base drafter; subclasses override `propose` and, if they keep state, `begin` and `accept`."""
 
@@ -56,10 +60,13 @@ class Drafter:
     def accept(self, n_drafted: int, n_accepted: int) -> None:
         """The target accepted the first n_accepted of the n_drafted tokens of the last proposal."""
 
-    def fork(self) -> Drafter:
-        """A drafter like this one for another request decoded alongside it (a batch): the same settings and shared
-        models, per-request state of its own, so that it proposes what this one would for that request alone. The
-        default, a shallow copy, suits drafters whose per-request state is set anew by begin()."""
+    def fork(self, pools: Pools | None = None, shared_history: bool = True) -> Drafter:
+        """A drafter like this one for one request: the same settings and shared models, per-request state of its
+        own. Every request drafts with a fork (generate() too), whose draft-model sequence comes from pools(model)
+        (the pool of the batch the request runs in). shared_history: the fork reads and extends the history of
+        earlier requests that this drafter keeps, where it keeps one (suffix lookup); False for a seeded sample,
+        whose draft must depend on nothing but itself. The default, a shallow copy, suits drafters whose
+        per-request state is set anew by begin()."""
         return copy.copy(self)
 
     def close(self) -> None:

@@ -108,10 +108,10 @@ class ChoosingDrafter(Drafter):
                            None, "none": "none"}[choice]
         return proposal
 
-    def fork(self) -> ChoosingDrafter:
-        model = self.model_drafter.fork() if self.model_drafter is not None else None
+    def fork(self, pools=None, shared_history=True) -> ChoosingDrafter:
+        model = self.model_drafter.fork(pools, shared_history) if self.model_drafter is not None else None
         acceptance, weight, decay = self.prior
-        return ChoosingDrafter(self.lookup.fork(), model, self.costs, acceptance, weight, decay)
+        return ChoosingDrafter(self.lookup.fork(pools, shared_history), model, self.costs, acceptance, weight, decay)
 
     def close(self) -> None:
         self.lookup.close()

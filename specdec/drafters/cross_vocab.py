@@ -35,7 +35,7 @@ import torch
 from specdec.drafters.base import Proposal
 from specdec.drafters.model import ModelDrafter, common_prefix_length
 from specdec.models import IncompatibleVocabulary
-from specdec.runners import Runner
+from specdec.runtimes.base import Runner
 from specdec.sampling import SamplingConfig
 
 GREEDY_METHOD = "draft text re-tokenized"
@@ -150,9 +150,9 @@ class CrossVocabDrafter(ModelDrafter):
     """A draft model with its own vocabulary behind the drafter protocol: its proposals are target tokens (see the
     module's docstring for the two methods)."""
 
-    def __init__(self, make_runner: Callable[[], Runner], make_fork_runner: Callable[[], Runner] | None,
-                 vocab: Vocabularies):
-        super().__init__(make_runner, make_fork_runner)
+    def __init__(self, make_runner: Callable[[], Runner], vocab: Vocabularies, model=None,
+                 vocab_size: int | None = None):
+        super().__init__(make_runner, model, vocab_size)
         self.vocab = vocab
         self.text: DraftText | None = None
 
@@ -160,8 +160,10 @@ class CrossVocabDrafter(ModelDrafter):
         super().begin(prompt_ids)
         self.text = DraftText(self.vocab)
 
-    def fork(self) -> CrossVocabDrafter:
-        return CrossVocabDrafter(self.make_fork_runner, self.make_fork_runner, self.vocab)
+    def fork(self, pools=None, shared_history=True) -> CrossVocabDrafter:
+        fork = super().fork(pools, shared_history)
+        fork.text = None
+        return fork
 
     def tokens_behind(self, context: torch.Tensor) -> int:
         """Roughly: the committed target tokens not yet taken in (the draft's own tokens for them are not counted

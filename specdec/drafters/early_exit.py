@@ -13,7 +13,7 @@ from transformers.masking_utils import create_causal_mask
 from specdec.drafters import TargetInfo, register
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.ngram import parse_positive_int
-from specdec.runners import TorchRunner
+from specdec.runtimes.pytorch import TorchRunner
 
 
 def decoder_layer_count(model) -> int:

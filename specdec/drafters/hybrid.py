@@ -23,8 +23,8 @@ class HybridDrafter(Drafter):
         self.fallback = fallback
         self.last: Drafter | None = None  # the drafter whose proposal the target is verifying
 
-    def fork(self) -> HybridDrafter:
-        return HybridDrafter(self.lookup.fork(), self.fallback.fork())
+    def fork(self, pools=None, shared_history=True) -> HybridDrafter:
+        return HybridDrafter(self.lookup.fork(pools, shared_history), self.fallback.fork(pools, shared_history))
 
     def close(self) -> None:
         self.lookup.close()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
 
-from specdec.drafters.base import Drafter, Proposal
-from specdec.runners import Runner
+from specdec.drafters.base import Drafter, Pools, Proposal
+from specdec.runtimes.base import Runner
 from specdec.sampling import SamplingConfig, logits_to_probs, sample
 
 
@@ -23,11 +24,11 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, make_runner: Callable[[], Runner], make_fork_runner: Callable[[], Runner] | None = None):
-        """make_fork_runner: runners for fork()s, which decode beside this drafter (a llama.cpp model's batch slots,
-        where make_runner would take over the model's one context); default make_runner."""
-        self.make_runner = make_runner
-        self.make_fork_runner = make_fork_runner or make_runner
+    def __init__(self, make_runner: Callable[[], Runner], model=None, vocab_size: int | None = None):
+        """make_runner: a new sequence of the draft model for each request (begin). model, vocab_size: the loaded
+        draft model and the vocabulary its runners cut logits to, where forks take their sequences from a batch's
+        pool of it (fork); without them a fork makes its runners as this drafter does (an early-exit view)."""
+        self.make_runner, self.model, self.vocab_size = make_runner, model, vocab_size
         self.runner: Runner | None = None
         self.cached_ids = torch.zeros(1, 0, dtype=torch.long)  # the tokens whose keys/values the runner holds
 
@@ -36,13 +37,18 @@ class ModelDrafter(Drafter):
         self.runner = self.make_runner()
         self.cached_ids = prompt_ids[:, :0]
 
-    def fork(self) -> ModelDrafter:
-        return ModelDrafter(self.make_fork_runner, self.make_fork_runner)
+    def fork(self, pools: Pools | None = None, shared_history: bool = True) -> ModelDrafter:
+        fork = copy.copy(self)
+        fork.runner, fork.cached_ids = None, self.cached_ids[:, :0]
+        if pools is not None and self.model is not None:
+            model, size = self.model, self.vocab_size
+            fork.make_runner = lambda: pools(model).take(size)
+        return fork
 
     def close(self) -> None:
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
 
     def tokens_behind(self, context: torch.Tensor) -> int:
         """Tokens of context [1, n] that the draft model would have to take in before its first draft token."""

@@ -74,47 +74,72 @@ def suffix_draft(corpus: np.ndarray, k: int, max_match: int = 32, min_probabilit
     return draft, matched, probabilities
 
 
+class DraftHistory:
+    """The text of earlier requests, kept for suffix lookup: the most recent max_tokens tokens of them, oldest dropped
+    first, each followed by SEPARATOR. One store is shared by every fork of a drafter (SuffixDrafter.fork), so that
+    requests decoded side by side, and one after another, draft from each other's text."""
+
+    def __init__(self, max_tokens: int = 200_000):
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self._texts: deque[np.ndarray] = deque()
+        self._tokens = 0
+        self.corpus = np.full(0, SEPARATOR, dtype=np.int64)  # the joined history
+
+    def __len__(self) -> int:
+        """Texts held."""
+        return len(self._texts)
+
+    def remember(self, tokens: np.ndarray) -> None:
+        """Keep one finished request's text (prompt and output)."""
+        if self.max_tokens == 0 or not len(tokens):
+            return
+        self._texts.append(np.append(tokens[-self.max_tokens:], SEPARATOR))
+        self._tokens += len(self._texts[-1])
+        while self._tokens > self.max_tokens and len(self._texts) > 1:
+            self._tokens -= len(self._texts.popleft())
+        self.corpus = np.concatenate(list(self._texts))
+
+
 class SuffixDrafter(Drafter):
-    """Drafts with suffix_draft over this request's context plus the text of earlier requests (most recent
-    max_history_tokens tokens of them, oldest dropped first)."""
+    """Drafts with suffix_draft over this request's context plus the text of earlier requests (a DraftHistory)."""
 
     name = "suffix"
 
-    def __init__(self, max_match: int = 32, min_probability: float = 0.3, max_history_tokens: int = 200_000):
+    def __init__(self, max_match: int = 32, min_probability: float = 0.3, max_history_tokens: int = 200_000,
+                 history: DraftHistory | None = None):
         if max_match < 1 or not 0.0 <= min_probability <= 1.0 or max_history_tokens < 0:
             raise ValueError("need max_match >= 1, min_probability in [0, 1], max_history_tokens >= 0")
         self.max_match, self.min_probability = max_match, min_probability
-        self.max_history_tokens = max_history_tokens
-        self._history: deque[np.ndarray] = deque()  # earlier requests' texts, each followed by SEPARATOR
-        self._history_tokens = 0
-        self._corpus = np.full(0, SEPARATOR, dtype=np.int64)  # the joined history
+        self.history = history if history is not None else DraftHistory(max_history_tokens)
         self._last_context: np.ndarray | None = None  # the current request's text as last seen
         self.last_match = 0  # matched suffix length of the last proposal (for a chooser, and the curious)
         self.last_probabilities: list[float] = []
 
-    def fork(self) -> SuffixDrafter:
-        """The same settings, an empty history: requests decoded side by side do not see each other's text."""
-        return SuffixDrafter(self.max_match, self.min_probability, self.max_history_tokens)
+    def fork(self, pools=None, shared_history: bool = True) -> SuffixDrafter:
+        """The same settings and, with shared_history, the same history (which the fork extends when its request
+        ends); without, a history of its own, empty."""
+        history = self.history if shared_history else DraftHistory(self.history.max_tokens)
+        return SuffixDrafter(self.max_match, self.min_probability, self.history.max_tokens, history)
 
     def begin(self, prompt_ids: torch.Tensor) -> None:
-        if self._last_context is not None:
-            self._remember(self._last_context)
-        self._last_context = None
+        self._end_request()
 
-    def _remember(self, tokens: np.ndarray) -> None:
-        if self.max_history_tokens == 0:
-            return
-        self._history.append(np.append(tokens[-self.max_history_tokens:], SEPARATOR))
-        self._history_tokens += len(self._history[-1])
-        while self._history_tokens > self.max_history_tokens and len(self._history) > 1:
-            self._history_tokens -= len(self._history.popleft())
-        self._corpus = np.concatenate(list(self._history))
+    def close(self) -> None:
+        self._end_request()
+
+    def _end_request(self) -> None:
+        if self._last_context is not None:
+            self.history.remember(self._last_context)
+        self._last_context = None
 
     def propose(self, context, k, sampling, generator) -> Proposal:
         if context.shape[0] != 1:
             raise ValueError(f"suffix drafting drafts one sequence at a time, got a batch of {context.shape[0]}")
         self._last_context = context[0].numpy()
-        corpus = np.concatenate([self._corpus, self._last_context]) if len(self._corpus) else self._last_context
+        corpus = self.history.corpus
+        corpus = np.concatenate([corpus, self._last_context]) if len(corpus) else self._last_context
         draft, self.last_match, self.last_probabilities = suffix_draft(corpus, k, self.max_match,
                                                                        self.min_probability)
         return Proposal(torch.tensor([draft], dtype=torch.long).reshape(1, len(draft)))

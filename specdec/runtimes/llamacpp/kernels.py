@@ -102,9 +102,9 @@ def _library() -> ctypes.CDLL:
     """The libggml-cpu that llama-cpp-python loaded, with the kernel plan's entry points. Its wheel holds copies, not
     links (libggml-cpu.so, .so.0, .so.0.25.3): opening another of them would load a second library with a plan of its
     own, which no pass reads. So the one already mapped into this process is opened again."""
-    from specdec.llamacpp import _lib
+    from specdec.runtimes.llamacpp.library import library
 
-    folder = Path(_lib().__file__).parent / "lib"  # loads llama.cpp, and with it libggml-cpu
+    folder = Path(library().__file__).parent / "lib"  # loads llama.cpp, and with it libggml-cpu
     try:
         with open("/proc/self/maps") as maps:
             loaded = [line.split()[-1] for line in maps if "/libggml-cpu" in line]
@@ -149,15 +149,15 @@ def measure_kernel_plan(model, repeats: int = PLAN_REPEATS) -> dict:
     import torch
     from tqdm import tqdm
 
-    from specdec.llamacpp import LlamaCppRunner, _one_token_logits, _probe_tokens
+    from specdec.runtimes.llamacpp.calibration import one_token_logits, private_runner, probe_tokens
 
     kernels = candidates()
-    tokens = _probe_tokens(model, PLAN_PREFIX + MAX_WIDTH)
-    runner = LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
+    tokens = probe_tokens(model, PLAN_PREFIX + MAX_WIDTH)
+    runner = private_runner(model, tokens.shape[1])
     try:
         model._kernel_plan = KernelPlan.uniform(LLAMA_CPP)
         runner.forward(tokens[:, :PLAN_PREFIX], last_only=True)
-        reference = _one_token_logits(runner, tokens[:, PLAN_PREFIX:])
+        reference = one_token_logits(runner, tokens[:, PLAN_PREFIX:])
         seconds = {width: {kernel: [] for kernel in kernels} for width in range(1, MAX_WIDTH + 1)}
         exact = {width: [] for width in range(1, MAX_WIDTH + 1)}
         rounds = tqdm(range(repeats), desc=f"calibrating {model.path.name} (once): kernels per pass width",
@@ -192,51 +192,3 @@ def choose_plan(seconds: dict[int, dict[Kernel, float]], exact: dict[int, list[K
     once; width 1 always has one, as llama.cpp's own one-token pass is the reference."""
     return KernelPlan(tuple(min(exact[width], key=seconds[width].get) if exact[width] else LLAMA_CPP
                             for width in range(1, MAX_WIDTH + 1)))
-
-
-# ---- `specdec kernels`
-
-def add_kernels_parser(subparsers) -> None:
-    parser = subparsers.add_parser(
-        "kernels", help="show the kernel plan of a GGUF model on this machine, with every candidate's pass times",
-        description="Load a model on the llama.cpp runtime (calibrating it first if this machine has not: a "
-                    "minute or two) and print its weight layouts' one-token pass times, the fastest pass of every "
-                    "candidate kernel at every width 1-16 after 16 cached tokens, which were exact, and the plan "
-                    "it runs. --out writes the same as JSON, with the machine.")
-    parser.add_argument("--target", default=None, help="registry name or .gguf file (default: the default target)")
-    parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: every core)")
-    parser.add_argument("--out", default=None, help="also write it all to this JSON file")
-    parser.set_defaults(func=run_kernels)
-
-
-def run_kernels(args) -> int:
-    import json
-
-    from specdec import llamacpp, registry
-    from specdec.bench.runner import kernel_patch_hash, machine_info, save
-
-    model, _ = llamacpp.load(args.target or registry.DEFAULT_TARGET, threads=args.threads)
-    found = model.kernel_calibration
-    layouts = llamacpp.choose_layouts(model.path, model.threads, details=True)
-    names = list(found["pass_s"]["1"])
-    one = found["pass_s"]["1"][LLAMA_CPP.describe()]
-    print(f"{model.path.name}, {model.threads} threads, {'repacked' if model.repack else 'plain'} weight layout; "
-          f"fastest pass of each candidate after {PLAN_PREFIX} cached tokens, ms (x: over llama.cpp's own one-token "
-          "pass; *: every token's logits equal its one-token pass)")
-    print("width  " + "  ".join(f"{name:>24}" for name in names))
-    for width, by_kernel in found["pass_s"].items():
-        cells = [f"{by_kernel[name] * 1e3:7.1f} {by_kernel[name] / one:5.2f}x{'*' if name in found['exact'][width] else ' '}"
-                 for name in names]
-        print(f"{width:>5}  " + "  ".join(f"{cell:>24}" for cell in cells))
-    print(f"plan: {model.kernel_plan.describe()}")
-    if layouts.get("one_token_s_by_kernel"):
-        for layout, by_kernel in layouts["one_token_s_by_kernel"].items():
-            print(f"one-token pass, {layout} layout: " + ", ".join(f"{name} {s * 1e3:.1f} ms"
-                                                               for name, s in by_kernel.items()))
-    if args.out:
-        save({"command": " ".join(["specdec", "kernels", *(f"--target {args.target}".split() if args.target else [])]),
-              "machine": machine_info(), "kernel_patch": kernel_patch_hash(), "model": model.path.name,
-              "threads": model.threads, "repack": model.repack, "plan": model.kernel_plan.describe(),
-              "calibration": found, "layouts": layouts}, Path(args.out))
-        print(f"wrote {args.out}")
-    return 0

@@ -1,0 +1,169 @@
+"""What specdec asks of a runtime, and the objects a runtime answers with.
+
+A runtime loads models and gives each loaded model's sequences (SequencePool -> Runner). What only some runtimes can
+do, they answer with an object, others with None: the measured costs of passes (PassCosts), fused passes over several
+sequences that stay exact (Batching). Callers ask the runtime (`runtime_of(model).costs(model)`), never the model's
+attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+
+class Runner(Protocol):
+    """One sequence of a model: forward over new tokens with a KV cache, and roll back."""
+
+    vocab_size: int  # logits are cut to this many tokens (the vocabulary shared by target and drafter)
+    max_length: int  # tokens this sequence may hold
+    pool: SequencePool | None  # the pool it came from, whose forward_many can take it with its other sequences
+
+    @property
+    def length(self) -> int:
+        """Number of tokens held in the cache."""
+
+    def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Append input_ids [1, n] to the cache -> logits [1, n or 1, vocab_size] (float32)."""
+
+    def rollback(self, length: int) -> None:
+        """Drop cache entries past `length` tokens."""
+
+    def verify_width(self, length: int) -> int | None:
+        """The widest pass whose logits equal one-token passes bit for bit after `length` cached tokens; the engine
+        never verifies more tokens at once. None: no limit."""
+
+    def close(self) -> None:
+        """The sequence is over: its slot goes back to its pool."""
+
+
+class SequencePool(Protocol):
+    """Where a model's sequences come from: a runtime's pool hands out runners and evaluates several at once."""
+
+    max_length: int  # tokens one sequence may hold
+
+    @property
+    def free(self) -> int:
+        """Sequences take() can start now."""
+
+    def take(self, vocab_size: int) -> Runner:
+        """A new, empty sequence."""
+
+    def forward_many(self, items: list[tuple[Runner, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each runner's logits for its tokens [1, n] -> [1, n, vocab], as runner.forward would give them (in one
+        pass where the runtime fuses them)."""
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Seconds of a pass over w tokens of one sequence after a short context, measured on this machine."""
+
+    pass_s: dict[int, float]  # width -> seconds; width 1 present
+
+    @property
+    def step_s(self) -> float:
+        """Seconds of a one-token pass."""
+        return self.pass_s[1]
+
+    @property
+    def verify_slope(self) -> float:
+        """Extra cost per extra token of a pass, in one-token passes (0: flat, 1: linear): the median slope."""
+        slopes = sorted((s / self.step_s - 1) / (w - 1) for w, s in self.pass_s.items() if w > 1)
+        return max(0.0, slopes[len(slopes) // 2]) if slopes else 0.0
+
+    def verify_cost(self, width: int) -> float:
+        """A pass over `width` tokens in one-token passes, from the measured curve (beyond its widest point, a
+        straight line at the median slope)."""
+        widest = max(self.pass_s)
+        if width <= widest:
+            return self.pass_s[width] / self.step_s
+        return self.pass_s[widest] / self.step_s + self.verify_slope * (width - widest)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """Fused passes over several sequences of one pool, as a runtime can run them exactly."""
+
+    width: int  # the most tokens one fused pass may hold with every token's logits those of a one-token pass
+    prefills_in_slots_exactly: bool  # a prompt prefilled beside other sequences equals one prefilled alone
+    pass_cost: Callable[[list[tuple[Runner, int]]], float]  # a fused pass's cost in one-token passes, by its shape
+
+
+class Runtime:
+    """What specdec asks of a runtime. One instance per runtime: runtimes.TORCH, runtimes.LLAMA_CPP."""
+
+    name: str
+    early_exit = False  # a drafter may run the target's first N layers (self:N)
+    default_draft_quantization: str | None = None  # what --quantize-draft auto means on it
+    peers: dict[str, str] = {}  # the benchmark's peer methods that run on it (other implementations) -> what each is
+    # The peer that decodes plainly from the same weights, which every benchmark and `generate --compare` measure as
+    # the plain decoder to beat (None: target-only decoding is that baseline)
+    baseline_peer: str | None = None
+
+    def installed(self) -> bool:
+        return True
+
+    def owns(self, model) -> bool:
+        """Whether a loaded model is one of this runtime's."""
+        raise NotImplementedError
+
+    def reads(self, spec) -> bool:
+        """Whether it runs spec (a registry name, a path, a loaded model) as it is, with no conversion."""
+        raise NotImplementedError
+
+    def load(self, spec, tokenizer=None, *, dtype: torch.dtype = torch.float32, quantization: str | None = None,
+             threads: int | None = None):
+        """A model given as a registry name, a path or a loaded model -> (model, tokenizer)."""
+        raise NotImplementedError
+
+    def pull(self, name: str, progress: bool = True) -> Path:
+        """What `specdec models pull NAME --runtime R` prepares for a registry model -> its path."""
+        raise NotImplementedError
+
+    def vocab_size(self, model) -> int:
+        """Rows of the model's output layer."""
+        raise NotImplementedError
+
+    def context_length(self, model) -> int:
+        """Tokens one sequence of the model may hold (its trained context)."""
+        raise NotImplementedError
+
+    def kv_bytes_per_token(self, model) -> int:
+        """Bytes of KV cache one cached token of one sequence takes."""
+        raise NotImplementedError
+
+    def eos_ids(self, model) -> frozenset[int]:
+        """The token ids that end a generation, as the model file says (a tokenizer may add its own)."""
+        return frozenset()
+
+    def check_rollback(self, model) -> None:
+        """Refuse a model whose cache cannot be cut back to any length (speculation needs it)."""
+
+    def prepare_as_target(self, model) -> None:
+        """Measure now what a target needs (its exact widths), not inside the first request's timing."""
+
+    def pool(self, model, sequences: int = 1, max_length: int | None = None) -> SequencePool:
+        """The model's sequences for a batch of `sequences` requests of up to max_length tokens each."""
+        raise NotImplementedError
+
+    def costs(self, model) -> PassCosts | None:
+        """The measured costs of the model's passes, where the runtime measures them."""
+        return None
+
+    def batching(self, model) -> Batching | None:
+        """How the model's sequences can share passes exactly; None where each sequence takes passes of its own."""
+        return None
+
+    def kernel_plan(self, model) -> str | None:
+        """Which kernels the model's passes run, in words, where the runtime chooses them."""
+        return None
+
+    def describe(self, model) -> dict:
+        """What a benchmark records about a loaded model."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<runtime {self.name}>"

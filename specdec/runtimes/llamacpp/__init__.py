@@ -1,0 +1,119 @@
+"""The llama.cpp runtime: GGUF weights evaluated by llama.cpp's CPU kernels, behind the same runner interface.
+
+Only evaluation and the KV cache live in llama.cpp (through llama-cpp-python's bindings of its C API); drafting,
+sampling and verification stay in specdec's own code, so exactness is decided in one place for every runtime.
+
+library.py      loading llama.cpp (llama-cpp-python), once
+model.py        LlamaCppModel: the weights, their calibrations, their slot pools
+context.py      contexts (KV caches), one pass (evaluate), SlotPool: the sequence slots of one context
+runner.py       LlamaCppRunner: one sequence in a slot
+kernels.py      the kernel plan: which CPU kernels take passes of each width, chosen on this machine
+calibration.py  what is measured once per model file and machine: pass costs, exact widths, batch shapes
+layouts.py      which weight layout (plain or repacked) runs faster on this CPU
+peer.py         llama-cpp-python's own generation loop, the plain baseline
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specdec.runtimes.base import Batching, PassCosts, Runtime
+from specdec.runtimes.llamacpp.context import DEFAULT_KV_CACHE
+from specdec.runtimes.llamacpp.library import PIN, LlamaCppUnavailable, installed
+
+__all__ = ["LLAMA_CPP", "PIN", "LlamaCppRuntime", "LlamaCppUnavailable", "installed", "load"]
+
+
+def load(spec, tokenizer=None, threads: int | None = None, kv_cache: str = DEFAULT_KV_CACHE):
+    """A registry name, a .gguf file or a loaded LlamaCppModel -> (model, transformers tokenizer read from the GGUF)."""
+    from transformers import AutoTokenizer
+
+    from specdec import registry
+    from specdec.runtimes.llamacpp.model import LlamaCppModel
+
+    if isinstance(spec, LlamaCppModel):
+        model = spec
+    else:
+        text = str(spec)
+        if text in registry.MODELS:
+            path = registry.gguf_file(text)
+        elif text.endswith(".gguf"):
+            path = Path(text).expanduser()
+            if not path.is_file():
+                raise FileNotFoundError(f"GGUF file not found: {path}")
+        else:
+            raise ValueError(f"the llama.cpp runtime reads GGUF files: give a registry name "
+                             f"({', '.join(registry.MODELS)}) or a .gguf file, not {text!r}; or use --runtime torch")
+        model = LlamaCppModel(path, threads, kv_cache)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(registry.gguf_tokenizer_dir(model.path), local_files_only=True)
+    return model, tokenizer
+
+
+class LlamaCppRuntime(Runtime):
+    name = "llama.cpp"
+    peers = {"llama-server": "upstream llama-server, unpatched, over HTTP (make llama-server)",
+             "llama-generate": "llama-cpp-python's own generation loop",
+             "llama-lookup": "llama-cpp-python's prompt-lookup speculation"}
+    baseline_peer = "llama-generate"
+
+    def installed(self) -> bool:
+        return installed()
+
+    def owns(self, model) -> bool:
+        from specdec.runtimes.llamacpp.model import LlamaCppModel
+
+        return isinstance(model, LlamaCppModel)
+
+    def reads(self, spec) -> bool:
+        from specdec import registry
+
+        return self.owns(spec) or str(spec) in registry.MODELS or str(spec).endswith(".gguf")
+
+    def load(self, spec, tokenizer=None, *, dtype=torch.float32, quantization=None, threads=None):
+        if quantization is not None:
+            raise ValueError("the llama.cpp runtime runs the GGUF file's own quantized weights; quantization "
+                             "options apply to the torch runtime")
+        return load(spec, tokenizer, threads)
+
+    def pull(self, name, progress=True):
+        from specdec import registry
+
+        return registry.gguf_file(name, progress=progress)
+
+    def vocab_size(self, model) -> int:
+        return model.n_vocab
+
+    def context_length(self, model) -> int:
+        return model.max_length  # (no check_rollback: llama.cpp's caches of the models it loads roll back)
+
+    def kv_bytes_per_token(self, model) -> int:
+        return model.kv_bytes_per_token
+
+    def eos_ids(self, model) -> frozenset[int]:
+        return model.eos_ids
+
+    def prepare_as_target(self, model) -> None:
+        model.prepare_as_target()
+
+    def pool(self, model, sequences=1, max_length=None):
+        return model.pool(sequences, max_length)
+
+    def costs(self, model) -> PassCosts:
+        return model.costs
+
+    def batching(self, model) -> Batching:
+        return Batching(model.batch_width, model.prefills_in_slots_exactly, model.fused_pass_cost)
+
+    def kernel_plan(self, model) -> str:
+        return model.kernel_plan.describe()
+
+    def describe(self, model) -> dict:
+        return {"class": type(model).__name__, "file": str(model.path), "file_bytes": model.path.stat().st_size,
+                "threads": model.threads, "kv_cache": model.kv_cache, "repacked_layouts": model.repack,
+                "prompts_repacked": model.repack if model.prefill_model is None else model.prefill_model.repack}
+
+
+LLAMA_CPP = LlamaCppRuntime()

@@ -1,0 +1,261 @@
+"""What is measured once per model file and machine, then cached: the costs of passes, the widest exact verify pass
+at each context length, and the shapes of a batch's fused passes that stay exact.
+
+Each result is cached in a JSON file keyed by the model file, the llama.cpp build, the CPU, the settings and the
+kernel plan (so that what was measured under one plan is never read under another). One calibration runs at a time
+on a machine (a file lock): timings taken while another process times its own kernels would measure the contention.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdec.runtimes.llamacpp.context import SlotPool
+from specdec.runtimes.llamacpp.library import kernels_id
+
+if TYPE_CHECKING:
+    from specdec.runtimes.llamacpp.model import LlamaCppModel
+    from specdec.runtimes.llamacpp.runner import LlamaCppRunner
+
+DEFAULT_SLOT_TOKENS = 4096  # the slot size measure_batch_width checks (and a server's default context per sequence)
+
+
+CALIBRATION_WIDTHS = range(2, 17)  # pass widths checked: up to 15 draft tokens, or 16 batched sequences
+# Cached tokens before the checked passes: short; past the 512 cells where ggml's attention changes strategy for f16
+# caches; and a long context (prompts of a few pages). Beyond the longest, the engine verifies one token at a time.
+CALIBRATION_CONTEXTS = (16, 600, 4096)
+CALIBRATION_VERSION = 8  # bump when what is measured changes: older cached results are then measured again
+
+
+def cached(model: LlamaCppModel, kind: str, measure) -> dict:
+    """measure(model), cached per model file, llama.cpp build, CPU, threads, cache type, weight layouts and kernel
+    plan (so that what was measured under one plan is never read under another)."""
+    plan = model.kernel_plan
+    return cached_json(model.path, kind, f"{model.threads}|{model.kv_cache}|{model.repack}|{plan.key}",
+                        lambda: measure(model), {"threads": model.threads, "kv_cache": model.kv_cache,
+                                                 "repack": model.repack, "kernel_plan": plan.describe()})
+
+
+def cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -> dict:
+    """measure(), cached in a JSON file per GGUF file (path, size, mtime), llama.cpp build, CPU flags and settings."""
+    import hashlib
+    import json
+    from importlib.metadata import version
+
+    from specdec import registry
+    from specdec.runtimes.llamacpp.kernels import multi_column_kernels
+
+    stat = path.stat()
+    cpu = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "") if os.path.exists(
+        "/proc/cpuinfo") else os.uname().machine
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('llama_cpp_python')}|"
+                         f"{kernels_id()}|{multi_column_kernels()}|{cpu}|{settings}|{CALIBRATION_VERSION}".encode()
+                         ).hexdigest()[:24]
+    cached = registry.cache_root() / "calibration" / f"{path.stem}-{kind}-{key}.json"
+
+    def read() -> dict | None:
+        try:
+            return json.loads(cached.read_text())["measured"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    found = read()
+    if found is not None:
+        return found
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with _calibrating(cached.parent):
+        found = read()  # another process may have measured it while this one waited
+        if found is None:
+            found = measure()
+            partial = cached.with_name(cached.name + ".partial")
+            partial.write_text(json.dumps({"model": str(path), **describe, "measured": found}) + "\n")
+            partial.replace(cached)
+    return found
+
+
+_calibration_depth = 0  # calibrations in progress in this process (one measures what it needs of another)
+
+
+@contextlib.contextmanager
+def _calibrating(folder: Path):
+    """One calibration at a time on this machine: timings taken while another process times its own kernels (two
+    servers started at once) measure the contention, and the cache would keep them. A process waits for the lock
+    (saying so on a terminal), then reads what the other one measured if it was the same."""
+    global _calibration_depth
+    if _calibration_depth:  # this process holds the lock already
+        _calibration_depth += 1
+        try:
+            yield
+        finally:
+            _calibration_depth -= 1
+        return
+    import fcntl
+
+    with open(folder / ".lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if sys.stderr.isatty():
+                print("another process is calibrating on this machine: waiting for it ...", file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        _calibration_depth = 1
+        try:
+            yield
+        finally:
+            _calibration_depth = 0
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def probe_tokens(model: LlamaCppModel, n: int) -> torch.Tensor:
+    return torch.arange(n)[None] * 7919 % model.n_vocab  # [1, n] any in-vocabulary tokens
+
+
+def one_token_logits(runner: LlamaCppRunner, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of tokens [1, n] fed one pass each -> [n, vocab]."""
+    return torch.cat([runner.forward(tokens[:, i:i + 1])[0] for i in range(tokens.shape[1])])
+
+
+def private_runner(model: LlamaCppModel, tokens: int) -> LlamaCppRunner:
+    """A sequence in a context of its own (freed with the runner), leaving the model's pools alone: the calibration
+    may run while a sequence is being generated."""
+    return SlotPool(model, 1, tokens).take(model.n_vocab)
+
+
+
+
+def measure_pass_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats: int = 9) -> dict:
+    """Seconds of a pass over 1 token and over each width in widths after 16 cached tokens. Each pass over w tokens is
+    timed right after a one-token pass, and what k="auto" and the per-cycle choice read is their ratio: the median of
+    `repeats` such pairs per width, times the median one-token pass. On a shared machine a busy moment then slows both
+    passes of a pair rather than one side of a ratio (a median of each width's times alone once gave V(2) = 1.23 where
+    interleaved probes found 1.38-1.47)."""
+    import statistics
+    import time
+
+    prefix = CALIBRATION_CONTEXTS[0]
+    tokens = probe_tokens(model, prefix + max(widths))
+    runner = private_runner(model, tokens.shape[1])
+    runner.forward(tokens[:, :prefix], last_only=True)
+    runner.forward(tokens[:, prefix:prefix + 1])  # a first pass warms the caches
+
+    def seconds(width: int) -> float:
+        runner.rollback(prefix)
+        started = time.perf_counter()
+        runner.forward(tokens[:, prefix:prefix + width])
+        return time.perf_counter() - started
+
+    one_token, ratios = [], {width: [] for width in widths}
+    for _ in range(repeats):
+        for width in widths:
+            one_token.append(seconds(1))
+            ratios[width].append(seconds(width) / one_token[-1])
+    step = statistics.median(one_token)
+    return {"pass_s": {"1": step, **{str(width): step * statistics.median(r) for width, r in ratios.items()}}}
+
+
+def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_CONTEXTS) -> dict:
+    """At each context length (capped by the model's), evaluate the same tokens one at a time and in passes of each
+    width in widths -> {"exact_width": {length: the largest w such that every pass of 2..w tokens gives the one-token logits
+    bit for bit (1 if none does)}}. The long context costs a prefill of that many tokens, once per machine."""
+    from tqdm import tqdm
+
+    found = {}
+    lengths = sorted({min(n, model.max_length - max(widths)) for n in contexts})
+    # On a terminal only: the long context takes about a minute for a 1.5B model on 2 cores, once.
+    for length in tqdm(lengths, desc=f"calibrating {model.path.name} (once): exact verify width after N tokens",
+                       unit="context", leave=False, disable=None, file=sys.stderr):
+        tokens = probe_tokens(model, length + max(widths))
+        runner = private_runner(model, tokens.shape[1])
+        runner.forward(tokens[:, :length], last_only=True)
+        single = one_token_logits(runner, tokens[:, length:])
+        exact = 1
+        for width in widths:
+            runner.rollback(length)
+            if exact == width - 1 and torch.equal(runner.forward(tokens[:, length:length + width])[0], single[:width]):
+                exact = width
+        found[str(length)] = exact
+    return {"exact_width": found}
+
+
+def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_CONTEXTS,
+                        slot_tokens: int = DEFAULT_SLOT_TOKENS) -> dict:
+    """The shapes a batch's passes take, each against its sequences' own one-token passes in a context of their own.
+
+    A batch context holds max(widths) sequences of different lengths (each calibrated context length, capped by the
+    slot size), in slots that held another sequence before. Each prompt is prefilled in its slot beside the others
+    and must give the logits and cache of a prompt prefilled alone. Then, for each w in widths, the fused passes a
+    scheduler makes of w tokens: one token from each of w sequences (consecutive sequence ids, and ids with gaps
+    where slots were freed), a ragged mix (one sequence with w - 1 tokens beside one with 1), an uneven spread, and
+    one sequence alone verifying w tokens in its slot. -> {"batch_width": the largest w such that every pass of
+    2..w tokens gave every token its one-token logits bit for bit (1 if none did), "prefill_in_slot_exact": whether
+    prompts prefilled in slots equalled prompts prefilled alone, "contexts": the lengths checked}."""
+    n = max(widths)
+    longest = min(slot_tokens, model.max_length) - n
+    lengths = sorted({min(length, longest) for length in contexts})
+    prefix_of = [lengths[i % len(lengths)] for i in range(n)]  # slot i's context length
+    mixes = {width: batch_mixes(width, n) for width in widths}
+    needed = [max(count for width_mixes in mixes.values() for mix in width_mixes for slot, count in mix if slot == i)
+              for i in range(n)]  # the most tokens a pass takes from slot i: its one-token passes to compare with
+    continuations = [probe_tokens(model, n * (i + 2))[:, -needed[i]:] for i in range(n)]  # all different
+    prompts = {length: probe_tokens(model, length + 1)[:, 1:] for length in lengths}  # [1, length]
+    alone_prefill, alone = {}, [None] * n
+    for length, prompt in prompts.items():  # each prompt alone, then each of its slots' continuations one at a time
+        runner = private_runner(model, length + n)
+        alone_prefill[length] = runner.forward(prompt, last_only=True)
+        for i in (i for i in range(n) if prefix_of[i] == length):
+            runner.rollback(length)
+            alone[i] = one_token_logits(runner, continuations[i])
+    slots = SlotPool(model, n, longest + n)
+    earlier = [slots.take(model.n_vocab) for _ in range(n)]
+    for runner in earlier:  # every slot held a sequence before: a server's slots are reused
+        runner.forward(prompts[lengths[-1]][:, :40])
+        runner.close()
+    runners = [slots.take(model.n_vocab) for _ in range(n)]
+    prefill_exact, states = True, {}
+    for i, runner in enumerate(runners):
+        length = prefix_of[i]
+        if length in states:  # a copy of the slot prefilled before: equal contents, at no second prefill's cost
+            slots.context.load_state(states[length], runner.seq)
+            runner.advance(length)
+        else:
+            prefill_exact &= torch.equal(runner.forward(prompts[length], last_only=True), alone_prefill[length])
+            states[length] = slots.context.save_state(runner.seq)
+    widest = 1
+    for width in widths:
+        exact = True
+        for mix in mixes[width]:
+            items = [(runners[i], continuations[i][:, :count]) for i, count in mix]
+            outputs = slots.forward_many(items) if len(items) > 1 else [items[0][0].forward(items[0][1])]
+            for (i, count), logits in zip(mix, outputs):
+                exact &= torch.equal(logits[0], alone[i][:count])
+                runners[i].rollback(prefix_of[i])
+        if not (exact and widest == width - 1):
+            break
+        widest = width
+    for runner in runners:
+        runner.close()
+    slots.close()
+    return {"batch_width": widest, "prefill_in_slot_exact": bool(prefill_exact), "contexts": lengths}
+
+
+def batch_mixes(width: int, slots: int) -> list[list[tuple[int, int]]]:
+    """The fused passes of `width` tokens that a batch over `slots` sequences can make, as (slot, tokens) lists:
+    one token from each of `width` sequences with consecutive ids and with gaps between ids, one sequence with
+    width - 1 tokens beside one with 1, tokens spread unevenly (3, 1, 2, 3, 1, 2, ...), and one sequence alone."""
+    spaced = [*range(0, slots, 2), *range(1, slots, 2)]
+    spread, total, i = [], 0, 0
+    while total < width:
+        count = min((3, 1, 2)[i % 3], width - total)
+        spread.append((i % slots, count))
+        total, i = total + count, i + 1
+    alone = [[(slot, width)] for slot in range(min(3, slots))]  # a batch of one, at each context length
+    return [[(i, 1) for i in range(width)], [(spaced[i], 1) for i in range(width)],
+            [(min(2, slots - 1), width - 1), (0, 1)], spread, *alone]
+
+

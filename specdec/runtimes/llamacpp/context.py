@@ -1,0 +1,221 @@
+"""llama.cpp contexts (KV caches) and the pools of sequence slots that runners take from them.
+
+A context holds one sequence, or n sequences of up to `size` tokens each, each laid out as if it were alone. A
+SlotPool hands its sequence ids to runners (specdec.runtimes.llamacpp.runner) and takes them back; the runners of
+one pool can share passes (SlotPool.forward_many). A pool of one grows its context as its sequence does (the KV
+cache copied byte for byte, not recomputed), so one long generation does not reserve its whole context up front.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from specdec.runtimes.llamacpp.library import library
+
+if TYPE_CHECKING:
+    from specdec.runtimes.llamacpp.model import LlamaCppModel
+    from specdec.runtimes.llamacpp.runner import LlamaCppRunner
+
+INITIAL_CONTEXT = 2048  # tokens a pool of one allocates up front; it grows by doubling
+BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several), as llama-cpp-python's default n_batch
+
+# KV cache element types (ggml_type). ggml's flash attention over an f16 or f32 cache of 512+ cells splits a one-token
+# pass across threads and merges partial softmaxes, while wider passes run each row in one sequential sweep, so past
+# ~512 tokens a verify pass no longer reproduces one-token passes. Over any other cache type every pass takes the
+# sequential sweep, whatever its width and the context length (measurements: BENCHMARKS.md, "KV cache types").
+# Without flash attention the K.Q products take width-dependent matrix kernels instead.
+KV_CACHE_TYPES = {"f16": 1, "bf16": 30, "q8_0": 8}
+KV_CACHE_BYTES = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # bytes per cached element (q8_0: 32 int8 + an f16 scale)
+DEFAULT_KV_CACHE = "q8_0"  # as exact as bf16, half the bytes per cached token (BENCHMARKS.md, "KV cache types")
+
+
+class Context:
+    """One llama.cpp context and a reusable batch: n_seq sequences (ids 0..n_seq-1) of `size` tokens each."""
+
+    def __init__(self, model: LlamaCppModel, size: int, n_seq: int = 1):
+        lib = self.lib = library()
+        params = lib.llama_context_default_params()
+        params.n_ctx = size * n_seq
+        params.n_batch = params.n_ubatch = BATCH
+        params.n_seq_max = n_seq
+        params.kv_unified = n_seq == 1
+        params.n_threads = params.n_threads_batch = model.threads
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.type_k = params.type_v = KV_CACHE_TYPES[model.kv_cache]
+        params.no_perf = True
+        self.ctx = lib.llama_init_from_model(model.handle, params)
+        if not self.ctx:
+            raise MemoryError(f"llama.cpp could not allocate a context of {size} tokens for {model.path.name}")
+        self.n_seq = n_seq
+        self.size = lib.llama_n_ctx(self.ctx) // n_seq  # tokens per sequence
+        self.memory = lib.llama_get_memory(self.ctx)
+        self.batch = lib.llama_batch_init(BATCH, 0, 1)
+        self._finalizer = weakref.finalize(self, _free_context, lib, self.ctx, self.batch)
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.memory, True)
+
+    def remove(self, seq: int, start: int) -> None:
+        """Drop sequence seq's cache entries from position start on."""
+        if not self.lib.llama_memory_seq_rm(self.memory, seq, start, -1):
+            raise RuntimeError(f"llama.cpp could not remove cache entries past position {start}")
+
+    def save_state(self, seq: int = 0) -> bytes:
+        """Sequence seq's KV cache, as bytes that load_state can put into a context of a model of the same weights."""
+        size = self.lib.llama_state_seq_get_size(self.ctx, seq)
+        buffer = (ctypes.c_uint8 * size)()
+        written = self.lib.llama_state_seq_get_data(self.ctx, buffer, size, seq)
+        return bytes(buffer[:written])
+
+    def load_state(self, state: bytes, seq: int = 0) -> None:
+        """Make sequence seq (empty) hold the KV cache that save_state gave."""
+        buffer = (ctypes.c_uint8 * len(state)).from_buffer_copy(state)
+        if self.lib.llama_state_seq_set_data(self.ctx, buffer, len(state), seq) != len(state):
+            raise RuntimeError(f"llama.cpp could not restore a sequence's cache ({len(state)} bytes) into sequence "
+                               f"{seq} of a context of {self.size} tokens")
+
+    def free(self) -> None:
+        self._finalizer()
+
+
+def _free_context(lib, ctx, batch) -> None:
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+
+
+def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+    """One llama_decode of model's over entries (sequence id, position, token, whether its logits are wanted), under
+    the model's kernel plan -> the wanted rows, in order. If it fails, every sequence in it is cut back to where its
+    tokens start (the cache may hold part of the batch), so that its runner stays consistent."""
+    model.kernel_plan.apply()
+    lib, batch, n_vocab = context.lib, context.batch, model.n_vocab
+    for i, (seq, position, token, want) in enumerate(entries):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, want
+        batch.seq_id[i][0] = seq
+    batch.n_tokens = len(entries)
+    status = lib.llama_decode(context.ctx, batch)
+    if status != 0:
+        starts: dict[int, int] = {}
+        for seq, position, _, _ in entries:
+            starts.setdefault(seq, position)
+        for seq, start in starts.items():
+            lib.llama_memory_seq_rm(context.memory, seq, start, -1)
+        raise RuntimeError(f"llama.cpp failed to evaluate {len(entries)} tokens (llama_decode returned {status})")
+    return [np.ctypeslib.as_array(lib.llama_get_logits_ith(context.ctx, i), shape=(n_vocab,)).copy()
+            for i, (_, _, _, want) in enumerate(entries) if want]
+
+
+class SlotPool:
+    """Sequence slots of one context of a model, handed to runners (take) and taken back (LlamaCppRunner.close).
+
+    sequences > 1: that many sequences of max_length tokens each, allocated up front. sequences == 1: a context that
+    grows with its sequence up to max_length; with takeover, taking its slot while a runner holds it hands the slot
+    over (the old runner then refuses to run rather than read a cache that is no longer its own): what a model's
+    generate() does when an earlier stream was left unfinished.
+    """
+
+    def __init__(self, model: LlamaCppModel, sequences: int = 1, max_length: int | None = None,
+                 takeover: bool = False):
+        if sequences < 1:
+            raise ValueError(f"a pool holds at least one sequence, got {sequences}")
+        self.model, self.sequences, self.takeover = model, sequences, takeover
+        self.max_length = min(max_length or model.max_length, model.max_length)
+        size = self.max_length if sequences > 1 else min(INITIAL_CONTEXT, self.max_length)
+        self.context = Context(model, size, n_seq=sequences)
+        self._free = list(range(sequences))
+        self._holders: dict[int, weakref.ref] = {}
+
+    @property
+    def free(self) -> int:
+        """Slots that take() can hand out now."""
+        return len(self._free) if not self.takeover else self.sequences
+
+    @property
+    def idle(self) -> bool:
+        return len(self._free) == self.sequences
+
+    def take(self, vocab_size: int) -> LlamaCppRunner:
+        """A runner on the lowest free slot: the sequences in use stay consecutive where they can, so that a fused
+        pass over them runs as few sub-passes (LlamaCppModel.fused_pass_cost)."""
+        from specdec.runtimes.llamacpp.runner import LlamaCppRunner
+
+        if not self._free and self.takeover:
+            for holder in list(self._holders.values()):
+                runner = holder()
+                if runner is not None:
+                    runner.evict("another sequence took over this model's llama.cpp context; start a new runner")
+        if not self._free:
+            raise RuntimeError(f"all {self.sequences} sequence slots of this pool are in use: "
+                               "close a runner first (or make a pool with more)")
+        if not self.context.alive:
+            raise RuntimeError("this pool was closed; make a new one")
+        seq = min(self._free)
+        self._free.remove(seq)
+        runner = LlamaCppRunner(self, seq, vocab_size)
+        self._holders[seq] = weakref.ref(runner)
+        return runner
+
+    def give(self, seq: int) -> None:
+        """Take slot seq back, emptied."""
+        if self.context.alive:
+            self.context.remove(seq, 0)
+        self._holders.pop(seq, None)
+        if seq not in self._free:
+            self._free.append(seq)
+
+    def context_for(self, needed: int) -> Context:
+        """The context, grown first if one sequence needs `needed` tokens (a pool of one only)."""
+        if needed > self.max_length:
+            raise ValueError(f"{needed} tokens exceed this sequence's context of {self.max_length} tokens")
+        if needed > self.context.size:
+            old = self.context
+            size = min(self.max_length, max(2 * old.size, -(-needed // 1024) * 1024))
+            new = Context(self.model, size)
+            new.load_state(old.save_state())
+            old.free()
+            self.context = new
+        return self.context
+
+    def forward_many(self, items: list[tuple[LlamaCppRunner, torch.Tensor]]) -> list[torch.Tensor]:
+        """Several sequences' new tokens in one llama.cpp pass -> each one's logits [1, n, vocab], as its runner's
+        forward would give them. With specdec's kernels each token's logits are those of a one-token pass of its own
+        sequence while the pass holds at most the model's batch_width tokens (the calibration checks it)."""
+        entries = []
+        for runner, ids in items:
+            if runner.pool is not self:
+                raise ValueError("forward_many takes runners of this pool")
+            tokens = ids[0].tolist()
+            runner.check_room(runner.length + len(tokens))
+            entries += [(runner.seq, runner.length + i, token, True) for i, token in enumerate(tokens)]
+        if len(entries) > BATCH:
+            raise ValueError(f"one pass holds at most {BATCH} tokens, got {len(entries)}")
+        # In order of sequence id: llama.cpp puts only sequences of consecutive ids, in increasing order, into one
+        # sub-pass (see fused_pass_cost); the rows come back in the order of the items.
+        order = sorted(range(len(entries)), key=lambda e: entries[e][:2])
+        rows = [None] * len(entries)
+        for e, row in zip(order, evaluate(self.model, self.context, [entries[e] for e in order])):
+            rows[e] = row
+        outputs, start = [], 0
+        for runner, ids in items:
+            n = ids.shape[1]
+            outputs.append(torch.from_numpy(np.stack(rows[start:start + n]))[None, :, : runner.vocab_size])
+            runner.advance(n)
+            start += n
+        return outputs
+
+    def close(self) -> None:
+        """Free the context; runners still holding slots refuse to run."""
+        for holder in list(self._holders.values()):
+            runner = holder()
+            if runner is not None:
+                runner.evict("this runner's pool was closed; start a new runner")
+        self.context.free()

@@ -1,0 +1,230 @@
+"""A GGUF model loaded by llama.cpp: its weights, what was calibrated for it on this machine, and its slot pools."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+
+import numpy as np
+
+from specdec.runtimes.base import PassCosts
+from specdec.runtimes.llamacpp import calibration
+from specdec.runtimes.llamacpp.context import (BATCH, DEFAULT_KV_CACHE, INITIAL_CONTEXT, KV_CACHE_BYTES,
+                                               KV_CACHE_TYPES, Context, SlotPool, evaluate)
+from specdec.runtimes.llamacpp.kernels import LLAMA_CPP as LLAMA_CPP_KERNELS
+from specdec.runtimes.llamacpp.kernels import KernelPlan
+from specdec.runtimes.llamacpp.layouts import choose_layouts
+from specdec.runtimes.llamacpp.library import default_threads, library
+
+
+class LlamaCppModel:
+    """A GGUF model loaded by llama.cpp: weights memory-mapped, shared by every sequence of every pool.
+
+    repack: llama.cpp's weight layouts repacked for the CPU, or plain; "auto" keeps the one whose one-token passes
+    were faster on this CPU (layouts.choose_layouts: which wins differs between CPUs, and the repacked layouts crashed
+    llama.cpp on one). prefill_repack: prompts in the other layout where that was measured faster for them ("auto"),
+    a layout, or None (prompts in the model's own); the prompt's KV cache is then copied into the sequence's slot.
+    """
+
+    def __init__(self, path: str | os.PathLike, threads: int | None = None, kv_cache: str = DEFAULT_KV_CACHE,
+                 repack: bool | str = "auto", prefill_repack: bool | str | None = "auto"):
+        lib = library()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        self.threads = threads or default_threads()
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if kv_cache not in KV_CACHE_TYPES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
+        self.kv_cache = kv_cache
+        if repack not in (True, False, "auto"):
+            raise ValueError(f"repack must be True, False or 'auto', got {repack!r}")
+        if prefill_repack not in (True, False, None, "auto"):
+            raise ValueError(f"prefill_repack must be True, False, None or 'auto', got {prefill_repack!r}")
+        layouts = choose_layouts(self.path, self.threads) if repack == "auto" else {}
+        self.repack = layouts.get("repack", repack)
+        if prefill_repack == "auto":
+            prefill_repack = layouts.get("prefill_repack", self.repack)
+            prefill_repack = None if prefill_repack == self.repack else prefill_repack
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = 0
+        params.use_extra_bufts = self.repack
+        self.handle = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self.handle:
+            raise ValueError(f"llama.cpp could not load {self.path}: not a GGUF language model it supports")
+        self._pools: dict[str, SlotPool] = {}  # "solo" (a pool of one, growing), "batch"; freed before the weights
+        self._prefill_context: list[Context | None] = [None]
+        weakref.finalize(self, _free_model, lib, self.handle, self._pools, self._prefill_context)
+        if lib.llama_model_is_recurrent(self.handle) or lib.llama_model_is_hybrid(self.handle):
+            raise ValueError(f"{self.path.name} has recurrent layers, whose state cannot be rolled back; "
+                             "speculative decoding needs full attention in every layer")
+        vocab = lib.llama_model_get_vocab(self.handle)
+        self.n_vocab = lib.llama_vocab_n_tokens(vocab)
+        self.max_length = lib.llama_model_n_ctx_train(self.handle)
+        self.eos_ids = frozenset(i for i in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, i))
+        n_head = lib.llama_model_n_head(self.handle)
+        head_dim = lib.llama_model_n_embd(self.handle) // max(1, n_head)
+        # keys and values of every layer's KV heads
+        self.kv_bytes_per_token = int(2 * lib.llama_model_n_layer(self.handle) * lib.llama_model_n_head_kv(
+            self.handle) * head_dim * KV_CACHE_BYTES[kv_cache])
+        self._measured: dict[str, dict] = {}
+        self._kernel_plan: KernelPlan | None = None
+        self.prefill_model = None if prefill_repack is None else LlamaCppModel(
+            self.path, self.threads, kv_cache, repack=prefill_repack, prefill_repack=None)
+        if self.prefill_model is not None:  # its passes are prompts (a last piece of one can be short): as released
+            self.prefill_model._kernel_plan = KernelPlan.uniform(LLAMA_CPP_KERNELS)
+
+    # ---- calibrations (each measured once per model file and machine, then cached: specdec.runtimes.llamacpp.calibration)
+
+    def _calibrated(self, kind: str, measure) -> dict:
+        if kind not in self._measured:
+            self._measured[kind] = calibration.cached(self, kind, measure)
+        return self._measured[kind]
+
+    @property
+    def kernel_calibration(self) -> dict:
+        """What kernels.measure_kernel_plan found: every candidate's time and exactness per width, and the plan."""
+        if "kernel-plan" not in self._measured:
+            from specdec.runtimes.llamacpp.kernels import measure_kernel_plan
+
+            self._measured["kernel-plan"] = calibration.cached_json(
+                self.path, "kernel-plan", f"{self.threads}|{self.kv_cache}|{self.repack}",
+                lambda: measure_kernel_plan(self),
+                {"threads": self.threads, "kv_cache": self.kv_cache, "repack": self.repack})
+        return self._measured["kernel-plan"]
+
+    @property
+    def kernel_plan(self) -> KernelPlan:
+        """Which kernels take this model's passes of each width 1-16 (wider ones take llama.cpp's own): the fastest
+        exact ones on this machine. Set in the library before each of the model's passes."""
+        if self._kernel_plan is None:
+            self._kernel_plan = KernelPlan.from_json(self.kernel_calibration["plan"])
+        return self._kernel_plan
+
+    @property
+    def costs(self) -> PassCosts:
+        """Seconds of a pass over each width of one sequence (calibration.measure_pass_costs)."""
+        found = self._calibrated("costs", calibration.measure_pass_costs)
+        return PassCosts({int(width): s for width, s in found["pass_s"].items()})
+
+    @property
+    def exact_widths(self) -> dict[int, int]:
+        """{cached tokens: the widest pass whose logits equal one-token passes bit for bit there}
+        (calibration.measure_exact_widths). Only a target needs it: drafts never have to be exact."""
+        found = self._calibrated("exactness", calibration.measure_exact_widths)
+        return {int(length): width for length, width in found["exact_width"].items()}
+
+    @property
+    def batch_calibration(self) -> dict:
+        """What calibration.measure_batch_width found: the exact batch width, whether prompts prefill exactly in
+        slots, the contexts checked."""
+        return self._calibrated("batching", calibration.measure_batch_width)
+
+    @property
+    def batch_width(self) -> int:
+        """The most tokens, over one or several sequences, that a pass may hold while every token still gets the
+        logits of a one-token pass of its own sequence."""
+        return min(self.batch_calibration["batch_width"], min(self.exact_widths.values()))
+
+    @property
+    def prefills_in_slots_exactly(self) -> bool:
+        """Whether a prompt prefilled in a batch slot, beside other sequences, gives the logits and cache of a prompt
+        prefilled alone. Where it does not, a batch must serve one request at a time."""
+        return self.batch_calibration["prefill_in_slot_exact"]
+
+    def prepare_as_target(self) -> None:
+        """Calibrate what a target needs (its exact verify and batch widths) now, not inside the first request."""
+        self.exact_widths
+        self.batch_width
+
+    def verify_width(self, length: int) -> int:
+        """The widest pass the engine may verify after `length` cached tokens (>= 1).
+
+        llama.cpp picks kernels by the number of tokens in a pass (and, for some cache types, by the context
+        length), and they round differently; a verify pass wider than this could flip a near-tie that plain
+        decoding would not. Up to the longest calibrated context it is the narrowest width found exact at any
+        calibrated length; beyond that nothing was checked, so passes there verify one token.
+        """
+        widths = self.exact_widths
+        return min(widths.values()) if length <= max(widths) else 1
+
+    def fused_pass_cost(self, items) -> float:
+        """The cost of one SlotPool.forward_many over these (runner, tokens it feeds) pairs, in one-token passes.
+
+        Over a cache that keeps each sequence apart, llama.cpp evaluates a pass in sub-passes, each over a run of
+        sequences with consecutive ids that takes equally many tokens from every one of them
+        (llama_batch_allocr::split_equal). So widths [1, 3, 3, 1] over sequences 0-3 run as 4 x 1 tokens, then
+        2 x 2; [3, 1, 3, 1] as 4 x 1, then 1 x 2 twice. Each sub-pass streams the weights once and costs what a pass
+        over as many tokens of one sequence costs (BENCHMARKS.md, "fused passes")."""
+        costs = self.costs
+        left = {runner.seq: n for runner, n in items if n > 0}
+        cost = 0.0
+        while left:
+            run = []
+            for seq in sorted(left):
+                if run and seq != run[-1] + 1:
+                    break
+                run.append(seq)
+            taken = min(left[seq] for seq in run)
+            cost += costs.verify_cost(taken * len(run))
+            for seq in run:
+                left[seq] -= taken
+                if not left[seq]:
+                    del left[seq]
+        return cost
+
+    # ---- sequences
+
+    def pool(self, sequences: int = 1, max_length: int | None = None) -> SlotPool:
+        """The model's pool for `sequences` sequences of up to max_length tokens (default: the trained context).
+
+        A pool of one (what generate() decodes in) grows with its sequence and hands its slot over when asked while
+        held. A pool of several (a batch) is made once and kept while it is in use; an idle one of another shape is
+        made again."""
+        kind = "solo" if sequences == 1 else "batch"
+        length = min(max_length or self.max_length, self.max_length)
+        pool = self._pools.get(kind)
+        if pool is not None and pool.context.alive and (pool.sequences, pool.max_length) == (sequences, length):
+            return pool
+        if pool is not None and kind == "batch" and not pool.idle:
+            raise RuntimeError(f"the model's batch of {pool.sequences} sequences is in use: it cannot be made again "
+                               f"for {sequences}")
+        if pool is not None:
+            pool.close()
+        self._pools[kind] = SlotPool(self, sequences, length, takeover=sequences == 1)
+        return self._pools[kind]
+
+    def prefill(self, tokens: list[int], wanted: list[bool], n_seq: int = 1, seq: int = 0
+                ) -> tuple[list[np.ndarray], bytes]:
+        """Evaluate a new sequence's first tokens as sequence `seq` of a context of n_seq sequences (the shape of the
+        context the sequence continues in: llama.cpp restores a sequence only into one of the same shape) -> (the
+        wanted logits rows, the sequence's KV cache, for another model of these weights to load: load_state)."""
+        context = self._prefill_context[0]
+        if context is None or not context.alive or context.n_seq != n_seq or context.size < len(tokens):
+            if context is not None:
+                context.free()
+            size = max(256, 1 << (len(tokens) - 1).bit_length())  # a power of two: few reallocations
+            context = self._prefill_context[0] = Context(self, size, n_seq=n_seq)
+        context.clear()
+        rows = []
+        for start in range(0, len(tokens), BATCH):
+            rows += evaluate(self, context, [(seq, start + i, token, want) for i, (token, want) in enumerate(
+                zip(tokens[start:start + BATCH], wanted[start:start + BATCH]))])
+        state = context.save_state(seq)
+        if context.size * n_seq > 2 * INITIAL_CONTEXT:  # a long prompt's cache is not kept around
+            context.free()
+            self._prefill_context[0] = None
+        return rows, state
+
+    def __repr__(self) -> str:
+        return f"LlamaCppModel({str(self.path)!r}, threads={self.threads})"
+
+
+def _free_model(lib, handle, pools: dict, prefill_context: list) -> None:
+    for pool in pools.values():
+        pool.context.free()
+    if prefill_context[0] is not None:
+        prefill_context[0].free()
+    lib.llama_model_free(handle)
