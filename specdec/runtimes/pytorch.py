@@ -119,15 +119,19 @@ def measure_exact_width(model, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_C
     """The widest w such that at each context length in contexts (capped by the model's), passes of every width
     2..w over probe tokens give the logits of one-token passes over the same tokens bit for bit (1 if none does).
 
+    Only the shortest context is prefilled; each longer one is the cache entries before it repeated to its length.
+    Kernels choose their paths by the shapes of a pass and of its cache, not by the values in them, so the passes
+    after it take the paths they take after a real prompt of that length, without a long prefill's cost (specdec's
+    int8 target computes a prefill's attention one row at a time).
+
     Widths are checked in order at each context and the first inexact one ends that context; a later context checks
-    only the widths still standing, and a width of 1 ends the calibration. What it costs, in passes of the model: a
-    model exact at every width prefills the longest context once (one sequence extended from context to context) and
-    runs, per context, 16 one-token passes and one pass of each width 2..16; a model inexact at width 2 stops after a
-    16-token prefill, two one-token passes and one two-token pass.
+    only the widths still standing, and a width of 1 ends the calibration. What it costs: a model exact at every
+    width runs a 16-token prefill and, per context, 16 one-token passes and one pass of each width 2..16; a model
+    inexact at width 2 stops after the prefill, two one-token passes and one two-token pass.
 
     What it promises: the logits of a verify pass, at the widths and contexts checked, and by extension at the
     lengths between them; beyond the longest context nothing was checked, so ExactWidth.at says one token there. It
-    does not compare the cache entries a verify pass writes with those of one-token passes.
+    does not compare the cache entries a verify pass writes with those that one-token passes write.
     """
     limit = context_length(model.config)
     widths = [w for w in widths if w < limit]
@@ -135,18 +139,28 @@ def measure_exact_width(model, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_C
         return ExactWidth(1, 0)
     lengths = sorted({max(1, min(n, limit - max(widths))) for n in contexts})
     rows = model.get_output_embeddings().out_features
-    tokens = probe_tokens(rows, lengths[-1] + max(widths))
     sequence = TorchRunner(model, rows)
-    widest, checked = max(widths), 0
+    sequence.forward(probe_tokens(rows, lengths[0]), last_only=True)
+    widest, checked = max(widths), lengths[0]
     for length in progress(lengths, model):
-        sequence.rollback(checked)
-        sequence.forward(tokens[:, checked:length], last_only=True)  # the next context: extend the sequence
-        exact = exact_pass_widths(sequence, tokens[:, length:], [w for w in widths if w <= widest], until_inexact=True)
+        repeat_cache_to(sequence.cache, length)
+        continuation = probe_tokens(rows, length + max(widths))[:, length:]
+        exact = exact_pass_widths(sequence, continuation, [w for w in widths if w <= widest], until_inexact=True)
         widest, checked = max(exact, default=1), length  # exact: the widths up to the first inexact one
         if widest == 1:
             break
     sequence.close()
     return ExactWidth(widest, checked)
+
+
+def repeat_cache_to(cache: DynamicCache, length: int) -> None:
+    """Grow every layer of cache to `length` entries by repeating the keys and values it holds."""
+    for layer in cache.layers:
+        held = layer.keys.shape[-2]
+        if held < length:
+            copies = -(-length // held)
+            layer.update(torch.cat([layer.keys] * copies, dim=-2)[..., held:length, :],
+                         torch.cat([layer.values] * copies, dim=-2)[..., held:length, :])
 
 
 @torch.inference_mode()
