@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
+import math
 import os
 
+import numpy as np
 import pytest
 import torch
+from scipy.stats import chisquare
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
@@ -201,3 +205,76 @@ def require(condition: bool, message: str) -> None:
         if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+# --- the statistical oracle: a toy target's exact distribution, sampled sequences, chi-square ---------------------
+
+from specdec.adaptive import FixedK  # noqa: E402  (imported here: only the oracle needs the package)
+from specdec.drafters import ModelDrafter  # noqa: E402
+from specdec.engine import speculative_decode  # noqa: E402
+from specdec.sampling import SamplingConfig, make_generator  # noqa: E402
+
+VOCAB, PROMPT, DRAWS = 6, [1, 4, 2], 20_000
+ALPHA = 1e-3  # the test fails when the chi-square p-value falls below this
+
+
+def reference_probs(logits: torch.Tensor, sampling: SamplingConfig) -> list[float]:
+    """Temperature, then top-k, then top-p, written out plainly: the oracle shares no code with specdec.sampling, so
+    a warping bug there cannot hide in the expected distribution too (tests/test_sampling.py checks it directly)."""
+    scaled = [float(x) / sampling.temperature for x in logits]
+    ranked = sorted(range(len(scaled)), key=lambda i: scaled[i], reverse=True)
+    kept = ranked[: sampling.top_k] if sampling.top_k else ranked
+    weights = {i: math.exp(scaled[i] - scaled[ranked[0]]) for i in kept}
+    if sampling.top_p is not None:
+        total, mass, nucleus = sum(weights.values()), 0.0, {}
+        for i in kept:  # most likely first, while the tokens before hold less than top_p
+            if mass >= sampling.top_p:
+                break
+            nucleus[i] = weights[i]
+            mass += weights[i] / total
+        weights = nucleus
+    total = sum(weights.values())
+    return [weights.get(i, 0.0) / total for i in range(len(scaled))]
+
+
+def target_distribution(runner: ToyRunner, n_new: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
+    """Exact probability of every n_new-token continuation of PROMPT under the warped target."""
+    out = {}
+    for seq in itertools.product(range(runner.vocab_size), repeat=n_new):
+        prob = 1.0
+        for i, token in enumerate(seq):
+            prob *= reference_probs(runner.logits_after(tuple(PROMPT) + seq[:i]), sampling)[token]
+        out[seq] = prob
+    return out
+
+
+def sample_sequences(make_drafter, k: int, n_new: int, sampling: SamplingConfig) -> dict[tuple[int, ...], int]:
+    counts: dict[tuple[int, ...], int] = {}
+    generator = make_generator(1234)
+    drafter = make_drafter()
+    prompt = torch.tensor([PROMPT])
+    for _ in range(DRAWS):
+        steps = speculative_decode(ToyRunner(VOCAB, seed=0), drafter, prompt, k=FixedK(k), max_new_tokens=n_new,
+                                   sampling=sampling, generator=generator)
+        seq = tuple(t for step in steps for t in step.tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    return counts
+
+
+def chi_square_p_value(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float]) -> float:
+    assert set(counts) <= {s for s, p in expected.items() if p > 0}, "sampled a sequence the target never emits"
+    total = sum(counts.values())
+    cells = sorted(expected, key=expected.get, reverse=True)
+    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
+    wanted = np.array([expected[c] * total for c in cells])
+    big = wanted >= 5  # pool the rare cells so that the chi-square approximation holds
+    observed = np.append(observed[big], observed[~big].sum())
+    wanted = np.append(wanted[big], wanted[~big].sum())
+    if wanted[-1] == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    wanted *= observed.sum() / wanted.sum()  # remove the rounding drift of the enumerated probabilities
+    return float(chisquare(observed, wanted).pvalue)
+
+
+def toy_draft_model():
+    return ModelDrafter(lambda: ToyRunner(VOCAB, seed=99, scale=2.0))

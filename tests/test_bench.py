@@ -11,7 +11,8 @@ import shutil
 import pytest
 
 from specdec.bench import methods, report, runner
-from specdec.bench.costs import per_token_acceptance, predicted_speedup
+from specdec.bench.costs import predicted_speedup
+from specdec.metrics import per_token_acceptance
 from specdec.bench.workloads import TASKS, WorkloadMissing, load_prompt_file, packaged_file, select
 from specdec.cli import main
 from specdec.metrics import SpecStats

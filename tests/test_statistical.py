@@ -7,25 +7,17 @@ target's distribution over every 2-3 token continuation can be enumerated and co
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import specdec.engine
 from specdec.adaptive import FixedK
-from specdec.drafters import Drafter, ModelDrafter, Proposal
-from specdec.engine import speculative_decode
+from specdec.drafters import Drafter, Proposal
 from specdec.sampling import SamplingConfig, logits_to_probs, make_generator, sample
 
-from conftest import ToyRunner
-
-VOCAB, PROMPT, DRAWS = 6, [1, 4, 2], 20_000
-ALPHA = 1e-3  # the test fails when the chi-square p-value falls below this
-
+from conftest import (ALPHA, DRAWS, PROMPT, VOCAB, ToyRunner, chi_square_p_value, sample_sequences,
+                      target_distribution, toy_draft_model)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,72 +29,12 @@ class RepeatDrafter(Drafter):
         return Proposal(context[:, -1:].repeat(1, k))
 
 
-def reference_probs(logits: torch.Tensor, sampling: SamplingConfig) -> list[float]:
-    """Temperature, then top-k, then top-p, written out plainly: the oracle shares no code with specdec.sampling, so
-    a warping bug there cannot hide in the expected distribution too (tests/test_sampling.py checks it directly)."""
-    scaled = [float(x) / sampling.temperature for x in logits]
-    ranked = sorted(range(len(scaled)), key=lambda i: scaled[i], reverse=True)
-    kept = ranked[: sampling.top_k] if sampling.top_k else ranked
-    weights = {i: math.exp(scaled[i] - scaled[ranked[0]]) for i in kept}
-    if sampling.top_p is not None:
-        total, mass, nucleus = sum(weights.values()), 0.0, {}
-        for i in kept:  # most likely first, while the tokens before hold less than top_p
-            if mass >= sampling.top_p:
-                break
-            nucleus[i] = weights[i]
-            mass += weights[i] / total
-        weights = nucleus
-    total = sum(weights.values())
-    return [weights.get(i, 0.0) / total for i in range(len(scaled))]
-
-
-def target_distribution(runner: ToyRunner, n_new: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
-    """Exact probability of every n_new-token continuation of PROMPT under the warped target."""
-    out = {}
-    for seq in itertools.product(range(runner.vocab_size), repeat=n_new):
-        prob = 1.0
-        for i, token in enumerate(seq):
-            prob *= reference_probs(runner.logits_after(tuple(PROMPT) + seq[:i]), sampling)[token]
-        out[seq] = prob
-    return out
-
-
-def sample_sequences(make_drafter, k: int, n_new: int, sampling: SamplingConfig) -> dict[tuple[int, ...], int]:
-    counts: dict[tuple[int, ...], int] = {}
-    generator = make_generator(1234)
-    drafter = make_drafter()
-    prompt = torch.tensor([PROMPT])
-    for _ in range(DRAWS):
-        steps = speculative_decode(ToyRunner(VOCAB, seed=0), drafter, prompt, k=FixedK(k), max_new_tokens=n_new,
-                                   sampling=sampling, generator=generator)
-        seq = tuple(t for step in steps for t in step.tokens)
-        counts[seq] = counts.get(seq, 0) + 1
-    return counts
-
-
-def chi_square_p_value(counts: dict[tuple[int, ...], int], expected: dict[tuple[int, ...], float]) -> float:
-    assert set(counts) <= {s for s, p in expected.items() if p > 0}, "sampled a sequence the target never emits"
-    total = sum(counts.values())
-    cells = sorted(expected, key=expected.get, reverse=True)
-    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
-    wanted = np.array([expected[c] * total for c in cells])
-    big = wanted >= 5  # pool the rare cells so that the chi-square approximation holds
-    observed = np.append(observed[big], observed[~big].sum())
-    wanted = np.append(wanted[big], wanted[~big].sum())
-    if wanted[-1] == 0:
-        observed, wanted = observed[:-1], wanted[:-1]
-    wanted *= observed.sum() / wanted.sum()  # remove the rounding drift of the enumerated probabilities
-    return float(chisquare(observed, wanted).pvalue)
-
-
-def draft_model():
-    return ModelDrafter(lambda: ToyRunner(VOCAB, seed=99, scale=2.0))
 
 
 CASES = {
-    "temperature 1, k=2, 3 tokens": (draft_model, 2, 3, SamplingConfig(temperature=1.0)),
-    "temperature 0.7 + top-k 3, k=3, 2 tokens": (draft_model, 3, 2, SamplingConfig(temperature=0.7, top_k=3)),
-    "top-p 0.8, k=1, 3 tokens": (draft_model, 1, 3, SamplingConfig(temperature=1.0, top_p=0.8)),
+    "temperature 1, k=2, 3 tokens": (toy_draft_model, 2, 3, SamplingConfig(temperature=1.0)),
+    "temperature 0.7 + top-k 3, k=3, 2 tokens": (toy_draft_model, 3, 2, SamplingConfig(temperature=0.7, top_k=3)),
+    "top-p 0.8, k=1, 3 tokens": (toy_draft_model, 1, 3, SamplingConfig(temperature=1.0, top_p=0.8)),
     "deterministic drafter (one-hot q), k=2, 3 tokens": (RepeatDrafter, 2, 3, SamplingConfig(temperature=1.0)),
 }
 
@@ -166,7 +98,7 @@ def sample_sequences_in_batches(n_new: int, sampling: SamplingConfig, batch: int
     counts: dict[tuple[int, ...], int] = {}
     generator = make_generator(4321)
     for _ in range(DRAWS // batch):
-        decodings = [Decoding(ToyRunner(VOCAB, seed=0), draft_model() if i % 2 else RepeatDrafter(),
+        decodings = [Decoding(ToyRunner(VOCAB, seed=0), toy_draft_model() if i % 2 else RepeatDrafter(),
                               torch.tensor([PROMPT]), k=FixedK(ks[i % len(ks)]), max_new_tokens=n_new,
                               sampling=sampling, generator=generator) for i in range(batch)]
         tokens: list[list[int]] = [[] for _ in decodings]

@@ -18,7 +18,6 @@ import time
 import torch
 
 from specdec.adaptive import expected_tokens
-from specdec.metrics import per_token_acceptance  # noqa: F401  (the report reads it from here)
 from specdec.models import model_vocab_size
 from specdec.runtimes import Runner, runtime_of
 

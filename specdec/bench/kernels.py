@@ -21,8 +21,6 @@ def add_kernels_parser(subparsers) -> None:
 
 
 def run_kernels(args) -> int:
-    import json
-
     from specdec import registry
     from specdec.bench.runner import kernel_patch_hash, machine_info, save
     from specdec.runtimes.llamacpp import load

@@ -15,7 +15,8 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from specdec.bench.costs import per_token_acceptance, predicted_speedup
+from specdec.bench.costs import predicted_speedup
+from specdec.metrics import per_token_acceptance
 from specdec.metrics import SpecStats
 
 ALL_TASKS = "all"

@@ -154,13 +154,13 @@ def new_results(preset: Preset, command: list[str], settings: dict) -> dict:
 
 
 def save(results: dict, path: Path) -> bool:
-    """Write the results atomically if at least one run finished; -> whether the file was written.
+    """Write the results atomically, unless they are a benchmark's with no finished run; -> whether it was written.
 
-    Results without a finished run are a stub: written, they would replace an earlier run's file in the same folder
+    Results whose records are empty are a stub: written, they would replace an earlier run's file in the same folder
     and pass for its results. Otherwise the JSON goes to a temporary file beside path that is renamed over it only
     once complete, so a reader (or a Ctrl-C) never sees half a file, and a failed write leaves the old one as it was.
     """
-    if not results["records"]:
+    if "records" in results and not results["records"]:
         return False
     text = json.dumps(results, indent=1) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)

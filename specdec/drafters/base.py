@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from specdec.sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from specdec.runtimes.base import SequencePool
 
 
 @dataclass

@@ -20,10 +20,21 @@ from pathlib import Path
 import torch
 
 from specdec.runtimes.base import Batching, PassCosts, Runtime
-from specdec.runtimes.llamacpp.context import DEFAULT_KV_CACHE
+from specdec.runtimes.llamacpp.calibration import (CALIBRATION_CONTEXTS, CALIBRATION_WIDTHS, DEFAULT_SLOT_TOKENS,
+                                                   batch_mixes, measure_batch_width, measure_exact_widths,
+                                                   measure_pass_costs, one_token_logits, private_runner,
+                                                   probe_tokens)
+from specdec.runtimes.llamacpp.context import BATCH, DEFAULT_KV_CACHE, KV_CACHE_TYPES, SlotPool
+from specdec.runtimes.llamacpp.layouts import choose_layouts
 from specdec.runtimes.llamacpp.library import PIN, LlamaCppUnavailable, installed
+from specdec.runtimes.llamacpp.model import LlamaCppModel
+from specdec.runtimes.llamacpp.runner import PREFILL_MIN_TOKENS, LlamaCppRunner
 
-__all__ = ["LLAMA_CPP", "PIN", "LlamaCppRuntime", "LlamaCppUnavailable", "installed", "load"]
+__all__ = ["BATCH", "CALIBRATION_CONTEXTS", "CALIBRATION_WIDTHS", "DEFAULT_KV_CACHE", "DEFAULT_SLOT_TOKENS",
+           "KV_CACHE_TYPES", "LLAMA_CPP", "PIN", "PREFILL_MIN_TOKENS", "LlamaCppModel", "LlamaCppRunner",
+           "LlamaCppRuntime", "LlamaCppUnavailable", "SlotPool", "batch_mixes", "choose_layouts", "installed", "load",
+           "measure_batch_width", "measure_exact_widths", "measure_pass_costs", "one_token_logits",
+           "private_runner", "probe_tokens"]
 
 
 def load(spec, tokenizer=None, threads: int | None = None, kv_cache: str = DEFAULT_KV_CACHE):
@@ -31,7 +42,6 @@ def load(spec, tokenizer=None, threads: int | None = None, kv_cache: str = DEFAU
     from transformers import AutoTokenizer
 
     from specdec import registry
-    from specdec.runtimes.llamacpp.model import LlamaCppModel
 
     if isinstance(spec, LlamaCppModel):
         model = spec
@@ -63,8 +73,6 @@ class LlamaCppRuntime(Runtime):
         return installed()
 
     def owns(self, model) -> bool:
-        from specdec.runtimes.llamacpp.model import LlamaCppModel
-
         return isinstance(model, LlamaCppModel)
 
     def reads(self, spec) -> bool:

@@ -175,7 +175,7 @@ class SlotPool:
     def context_for(self, needed: int) -> Context:
         """The context, grown first if one sequence needs `needed` tokens (a pool of one only)."""
         if needed > self.max_length:
-            raise ValueError(f"{needed} tokens exceed this sequence's context of {self.max_length} tokens")
+            raise ValueError(f"{needed} tokens exceed this sequence's context length of {self.max_length} tokens")
         if needed > self.context.size:
             old = self.context
             size = min(self.max_length, max(2 * old.size, -(-needed // 1024) * 1024))

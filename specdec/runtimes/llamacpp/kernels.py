@@ -90,7 +90,7 @@ class KernelPlan:
         if _applied != self:
             flags = (ctypes.c_int * MAX_WIDTH)(*(k.flags for k in self.kernels))
             prefetch = (ctypes.c_int * MAX_WIDTH)(*(k.prefetch for k in self.kernels))
-            _library().ggml_cpu_set_kernel_plan(MAX_WIDTH, flags, prefetch)
+            loaded_library().ggml_cpu_set_kernel_plan(MAX_WIDTH, flags, prefetch)
             _applied = self
 
 
@@ -98,7 +98,7 @@ _applied: KernelPlan | None = None
 
 
 @functools.cache
-def _library() -> ctypes.CDLL:
+def loaded_library() -> ctypes.CDLL:
     """The libggml-cpu that llama-cpp-python loaded, with the kernel plan's entry points. Its wheel holds copies, not
     links (libggml-cpu.so, .so.0, .so.0.25.3): opening another of them would load a second library with a plan of its
     own, which no pass reads. So the one already mapped into this process is opened again."""
@@ -134,7 +134,7 @@ def candidates() -> list[Kernel]:
     """Every kernel a plan may give a width on this build and CPU: llama.cpp's own first."""
     if not multi_column_kernels():
         return [LLAMA_CPP]
-    available = _library().ggml_cpu_kernel_flags_available()
+    available = loaded_library().ggml_cpu_kernel_flags_available()
     kinds = [MULTI_COLUMN] + ([MULTI_COLUMN | WIDE] if available & WIDE else [])
     return [LLAMA_CPP] + [Kernel(flags, distance) for flags in kinds for distance in PREFETCH_DISTANCES]
 

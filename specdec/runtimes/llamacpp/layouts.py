@@ -20,14 +20,14 @@ def choose_layouts(path: Path, threads: int, details: bool = False) -> dict:
     one-token passes ("repack": by 3% or more) and the faster prompts ("prefill_repack"): measured once, in a worker
     process, since the repacked layouts crashed llama.cpp on an AMX Xeon (a crash there says plain for both), then
     cached. details: all that was measured (the times of every candidate kernel in each layout)."""
-    found = cached_json(Path(path), "layouts", f"{threads}|prefill", lambda: _measure_layouts(path, threads),
+    found = cached_json(Path(path), "layouts", f"{threads}|prefill", lambda: measure_layouts(path, threads),
                          {"threads": threads})
     if details:
         return found
     return {"repack": found["repack"], "prefill_repack": found.get("prefill_repack", found["repack"])}
 
 
-def _measure_layouts(path: Path, threads: int) -> dict:
+def measure_layouts(path: Path, threads: int) -> dict:
     import json
     import subprocess
 

@@ -19,19 +19,23 @@ def installed() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-@functools.cache
 def library():
     """The llama_cpp module, its backend initialised and its log silenced (model loading chatter would bury our own
-    output)."""
+    output), once."""
     try:
         import llama_cpp
     except ImportError:
         raise LlamaCppUnavailable(
             f"the llama.cpp runtime needs {PIN}: run `make setup` (it builds the wheel once and caches it), or use "
             "--runtime torch") from None
+    _initialise(llama_cpp)
+    return llama_cpp
+
+
+@functools.cache
+def _initialise(llama_cpp) -> None:
     llama_cpp.llama_backend_init()
     llama_cpp.llama_log_set(_quiet(llama_cpp), ctypes.c_void_p())
-    return llama_cpp
 
 
 @functools.cache

@@ -178,13 +178,16 @@ class LlamaCppModel:
     # ---- sequences
 
     def pool(self, sequences: int = 1, max_length: int | None = None) -> SlotPool:
-        """The model's pool for `sequences` sequences of up to max_length tokens (default: the trained context).
+        """The model's pool for `sequences` sequences of up to max_length tokens (default: the trained context for a
+        pool of one, calibration.DEFAULT_SLOT_TOKENS each for several).
 
         A pool of one (what generate() decodes in) grows with its sequence and hands its slot over when asked while
         held. A pool of several (a batch) is made once and kept while it is in use; an idle one of another shape is
         made again."""
         kind = "solo" if sequences == 1 else "batch"
-        length = min(max_length or self.max_length, self.max_length)
+        # A pool of several allocates every slot up front: by default as long as the calibration checked batches.
+        default = self.max_length if sequences == 1 else calibration.DEFAULT_SLOT_TOKENS
+        length = min(max_length or default, self.max_length)
         pool = self._pools.get(kind)
         if pool is not None and pool.context.alive and (pool.sequences, pool.max_length) == (sequences, length):
             return pool
@@ -217,6 +220,12 @@ class LlamaCppModel:
             context.free()
             self._prefill_context[0] = None
         return rows, state
+
+    @property
+    def prefill_tokens_kept(self) -> int:
+        """Tokens of the prefill context kept for the next prompt (0: none kept; a long prompt's is freed)."""
+        context = self._prefill_context[0]
+        return context.size * context.n_seq if context is not None and context.alive else 0
 
     def __repr__(self) -> str:
         return f"LlamaCppModel({str(self.path)!r}, threads={self.threads})"
