@@ -521,3 +521,301 @@ def test_a_draft_with_another_tokenizer_serves_the_targets_output():
                 texts = list(pool.map(complete, prompts))
             for prompt, text in zip(prompts, texts):
                 assert text == gen.generate(prompt, max_new_tokens=12, temperature=temperature, seed=3).text, prompt
+
+
+# ---- one request's failure, its limits and its deadline
+
+
+POISON = "poisoned prompt"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failing_sequence_fails_only_its_own_request(generator, monkeypatch, stream):
+    """A fault in one sequence's target pass, while seven others decode beside it in one batch: that request gets an
+    error it can act on (a 500 naming the fault, or mid-stream an error event and the end of the stream), the seven
+    get exactly the tokens they get without the fault, and the server goes on serving."""
+    from specdec.runtimes.pytorch import TorchRunner
+
+    jobs = [dict(prompt=f"job {i}:", max_tokens=30, temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(7)]
+    expected = [generator.generate(j["prompt"], max_new_tokens=30, temperature=j["temperature"],
+                                   seed=j["seed"]).token_ids for j in jobs]
+    poison_ids = generator.encode(POISON)
+    assert len(generator.generate(POISON, max_new_tokens=30).token_ids) > 8  # it gets far enough to fail mid-way
+    forward = TorchRunner.forward
+
+    def faulty(runner, input_ids, *args, **kwargs):
+        if runner.model is generator.target:
+            if runner.length == 0:
+                runner.prompt_ids = input_ids[0].tolist()
+            if getattr(runner, "prompt_ids", None) == poison_ids and runner.length > len(poison_ids) + 4:
+                raise RuntimeError("injected fault in the target's pass")
+        return forward(runner, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(TorchRunner, "forward", faulty)
+
+    def ask(base, job):
+        body = {"model": MODEL, "return_token_ids": True, "stream": stream, **job}
+        if not stream:
+            return httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
+            return response.status_code, [line for line in response.iter_lines() if line]
+
+    with forward_hook(generator.target, lambda *args: time.sleep(0.005)), \
+            serve(create_app(generator, MODEL, max_batch=8)) as base, ThreadPoolExecutor(8) as pool:
+        poisoned = pool.submit(ask, base, dict(prompt=POISON, max_tokens=30, temperature=0))
+        others = [pool.submit(ask, base, job) for job in jobs]
+        answers, failed = [o.result(30) for o in others], poisoned.result(30)
+        if stream:
+            status, lines = failed
+            assert status == 200 and lines[0].startswith("data: {") and "[DONE]" not in lines[-1]
+            error = json.loads(lines[-1][len("data: "):])["error"]
+            assert all("error" not in json.loads(line[len("data: "):]) for line in lines[:-1])
+            tokens = [[t for line in lines[:-1] for t in json.loads(line[len("data: "):])["choices"][0]["token_ids"]]
+                      for _, lines in answers]
+            assert all(status == 200 and lines[-1] == "data: [DONE]" for status, lines in answers)
+        else:
+            assert failed.status_code == 500, failed.text
+            error = failed.json()["error"]
+            assert all(a.status_code == 200 for a in answers)
+            tokens = [a.json()["choices"][0]["token_ids"] for a in answers]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "server_error"
+        assert "injected fault in the target's pass" in error["message"]
+        assert tokens == expected
+        wait_for(lambda: pending(base) == 0)
+        again = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "xy", "max_tokens": 3,
+                                                           "temperature": 0}, timeout=10)
+        assert again.json()["choices"][0]["text"] == generator.generate("xy", max_new_tokens=3).text
+
+
+def test_a_failing_batch_cycle_ends_its_requests_and_the_scheduler_goes_on(generator, monkeypatch):
+    """A cycle that fails as a whole (not one sequence's failure) ends the requests in it with a 500 naming the fault;
+    the model's thread survives it and serves the next request."""
+    from specdec.batching import Batch
+
+    step, failures = Batch.step, []
+
+    def failing_once(batch):
+        if batch.active and not failures:
+            failures.append(1)
+            raise RuntimeError("injected fault in the batch")
+        return step(batch)
+
+    monkeypatch.setattr(Batch, "step", failing_once)
+    with serve(create_app(generator, MODEL)) as base:
+        body = {"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0}
+        failed = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
+        assert failed.status_code == 500 and "injected fault in the batch" in failed.json()["error"]["message"]
+        again = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
+        assert again.json()["choices"][0]["text"] == generator.generate("ab", max_new_tokens=8).text
+        assert pending(base) == 0
+
+
+def test_ctx_size_is_the_limit_prompts_are_checked_against_and_is_reported(generator, url):
+    """--ctx-size below the trained context: a prompt that fits the trained context but not this limit is refused,
+    naming the limit; /v1/models reports it; a chat request without max_tokens gets what is left of it."""
+    assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == generator.context_length  # memory
+    with serve(create_app(generator, MODEL, ctx_size=64)) as base:
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["max_model_len"] == 64
+        assert httpx.get(f"{base}/v1/models/{MODEL}").json()["max_model_len"] == 64
+        response = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "a" * 100, "max_tokens": 1})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt") and "64" in error["message"]
+        response = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "a" * 40, "max_tokens": 30})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "max_tokens"
+        assert "at most 24 new tokens" in response.json()["error"]["message"]
+        chat = httpx.post(f"{base}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "temperature": 0})
+        assert chat.status_code == 200
+        n_prompt = len(generator.encode("hello", chat=True))
+        ref = generator.generate("hello", chat=True, max_new_tokens=64 - n_prompt)
+        assert chat.json()["usage"]["completion_tokens"] == len(ref.token_ids) <= 64 - n_prompt
+    for too_big in (generator.context_length + 1, 10**9):
+        with pytest.raises(ValueError, match="--ctx-size"):
+            create_app(generator, MODEL, ctx_size=too_big)
+
+
+def test_ctx_size_flag_reaches_the_app_and_a_bad_one_is_refused_at_start(monkeypatch, generator, capsys):
+    import specdec.generator
+    from specdec.cli import main
+
+    ran = {}
+    monkeypatch.setattr(specdec.generator, "SpeculativeGenerator", lambda *args, **kw: generator)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app))
+    serve_ = ["serve", "--target", "some/model", "--draft", "none"]
+    assert main([*serve_, "--ctx-size", "100", "--request-timeout", "5"]) == 0
+    assert ran["app"].state.service.context == 100
+    assert ran["app"].state.service.scheduler.request_timeout == 5
+    assert "each of up to 100 tokens (--ctx-size)" in capsys.readouterr().err
+    assert main([*serve_, "--ctx-size", str(generator.context_length + 1)]) == 2
+    error = capsys.readouterr().err
+    assert "--ctx-size" in error and f"trained context of {generator.context_length} tokens" in error
+    assert "Traceback" not in error
+    assert main([*serve_, "--request-timeout", "0"]) == 2
+    assert "--request-timeout must be > 0 seconds" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "(default: what memory allows" in " ".join(capsys.readouterr().out.split())
+
+
+def test_an_unauthenticated_upload_gets_401_before_its_body_is_read(generator):
+    """Authentication comes before the body limit: a client without the key gets 401 and the server never reads (let
+    alone buffers) its chunked body, however large."""
+    import asyncio
+
+    from specdec.server import MAX_BODY_BYTES
+
+    app = create_app(generator, MODEL, api_key=KEY)
+    reads, sent = [], []
+
+    async def receive():  # a chunked body of more than MAX_BODY_BYTES, 1 MiB at a time
+        reads.append(2**20)
+        return {"type": "http.request", "body": b" " * 2**20, "more_body": sum(reads) <= MAX_BODY_BYTES}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"transfer-encoding", b"chunked")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 401
+    assert json.loads(sent[1]["body"])["error"]["code"] == "invalid_api_key"
+    assert reads == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_timeout_ends_a_generating_request(generator, stream):
+    """--request-timeout: a request still generating after it gets 504 in OpenAI's shape (mid-stream: an error event,
+    then the end of the stream) and leaves the batch."""
+    assert generator.generate("a", max_new_tokens=200).stats.target_calls > 30  # slowed below: over 0.9 s
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 200, "temperature": 0, "stream": stream}
+    with forward_hook(generator.target, lambda *args: time.sleep(0.03)), \
+            serve(create_app(generator, MODEL, request_timeout=0.6)) as base:
+        started = time.monotonic()
+        if stream:
+            with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
+                assert response.status_code == 200
+                lines = [line for line in response.iter_lines() if line]
+            assert len(lines) > 1 and all("error" not in json.loads(line[len("data: "):]) for line in lines[:-1])
+            error = json.loads(lines[-1][len("data: "):])["error"]  # the last event: no [DONE] after it
+        else:
+            response = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+            assert response.status_code == 504
+            error = response.json()["error"]
+        assert 0.6 <= time.monotonic() - started < 3
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "request_timeout"
+        assert "0.6 s" in error["message"]
+        wait_for(lambda: pending(base) == 0, timeout=5)
+
+
+def test_request_timeout_ends_queued_requests_even_while_a_cycle_hangs(generator):
+    """The deadline is kept by the event loop too: while the model's thread is stuck in one pass, the request in the
+    batch and the one queued behind it both get 504 on time; once the pass returns, both have left the scheduler."""
+    gate, calls = threading.Event(), []
+
+    def stuck_after_a_few_cycles(*args):
+        calls.append(1)
+        if len(calls) > 4:
+            gate.wait(20)
+
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 200, "temperature": 0}
+    with serve(create_app(generator, MODEL, max_batch=1, request_timeout=0.8)) as base, \
+            forward_hook(generator.target, stuck_after_a_few_cycles), ThreadPoolExecutor(2) as pool:
+        try:
+            started = time.monotonic()
+            generating = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=30)
+            wait_for(lambda: len(calls) > 4)
+            queued = pool.submit(httpx.post, f"{base}/v1/completions", json={**body, "prompt": "b"}, timeout=30)
+            wait_for(lambda: pending(base) == 2)
+            for response in (generating.result(10), queued.result(10)):
+                assert response.status_code == 504 and response.json()["error"]["code"] == "request_timeout"
+            assert time.monotonic() - started < 3
+            assert pending(base) == 1  # the queued one has left; the stuck one leaves after its pass
+        finally:
+            gate.set()
+        wait_for(lambda: pending(base) == 0, timeout=5)
+        assert len(calls) < 10  # it did not go on generating
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_max_tokens_zero_answers_with_usage_and_runs_no_target_pass(client, generator, chat):
+    calls = []
+    create = client.chat.completions.create if chat else client.completions.create
+    prompt = {"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "hello"}
+    with forward_hook(generator.target, lambda *args: calls.append(1)):
+        out = create(model=MODEL, max_tokens=0, temperature=0, **prompt)
+    text = out.choices[0].message.content if chat else out.choices[0].text
+    assert text == "" and out.choices[0].finish_reason == "length"
+    n_prompt = len(generator.encode("hello", chat=chat))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (n_prompt, 0, n_prompt)
+    assert calls == [] and out.model_extra["specdec"]["target_calls"] == 0
+
+
+def test_the_event_loop_answers_while_a_chat_template_renders(url, generator, monkeypatch):
+    """The chat template and the tokenizer run in a worker thread: /health answers while a template is rendering."""
+    entered, release = threading.Event(), threading.Event()
+    apply = type(generator.tokenizer).apply_chat_template
+
+    def slow_template(self, *args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return apply(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(generator.tokenizer), "apply_chat_template", slow_template)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0}
+    with ThreadPoolExecutor(1) as pool:
+        chat = pool.submit(httpx.post, f"{url}/v1/chat/completions", json=body, timeout=30)
+        assert entered.wait(10)
+        try:
+            started = time.monotonic()
+            assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "ok"
+            assert time.monotonic() - started < 2 and not chat.done()
+        finally:
+            release.set()
+        assert chat.result(30).status_code == 200
+
+
+# ---- what fits in memory
+
+
+def test_ctx_size_and_max_batch_are_decided_by_the_kv_cache_that_fits():
+    from specdec.server.limits import MEMORY_SHARE, MIN_CTX_SIZE, choose_ctx_size
+
+    kib, gib = 2**10, 2**30
+    fits = dict(kv_bytes_per_token=128 * kib, trained_context=32768, max_batch=8)  # 1 MiB per token of the batch
+    budget_tokens = int(8 * gib * MEMORY_SHARE) // (2**20)
+    # The default: the largest multiple of 256 tokens whose caches fit in the share of the available memory.
+    assert choose_ctx_size(None, available_bytes=8 * gib, **fits) == budget_tokens // 256 * 256
+    assert choose_ctx_size(None, available_bytes=8 * gib + 300 * 2**20 / MEMORY_SHARE, **fits) == budget_tokens + 256
+    # ... capped at the trained context, which need not be a multiple of 256.
+    assert choose_ctx_size(None, available_bytes=10**6 * gib, **{**fits, "trained_context": 1000}) == 1000
+    assert choose_ctx_size(None, available_bytes=None, **fits) == 32768  # memory unknown: the trained context
+    # An explicit --ctx-size is kept when it fits, refused when the trained context or the memory cannot hold it.
+    assert choose_ctx_size(300, available_bytes=8 * gib, **fits) == 300
+    with pytest.raises(ValueError, match=r"--ctx-size 40000 exceeds the target's trained context of 32768 tokens"):
+        choose_ctx_size(40000, available_bytes=10**6 * gib, **fits)
+    with pytest.raises(ValueError, match=rf"--ctx-size {budget_tokens} or less.*or a smaller --max-batch"):
+        choose_ctx_size(budget_tokens + 1, available_bytes=8 * gib, **fits)
+    with pytest.raises(ValueError, match="--ctx-size must be at least 2"):
+        choose_ctx_size(1, available_bytes=8 * gib, **fits)
+    # --max-batch: refused when even the minimum context does not fit that many requests, saying how many would.
+    small = int(MIN_CTX_SIZE * 8 * 128 * kib / MEMORY_SHARE) - 1  # a byte short of 8 requests of MIN_CTX_SIZE
+    with pytest.raises(ValueError, match=r"--max-batch 8: .* use --max-batch 7 or less, or a smaller --ctx-size"):
+        choose_ctx_size(None, available_bytes=small, **fits)
+    assert choose_ctx_size(None, available_bytes=small, **{**fits, "max_batch": 7}) >= MIN_CTX_SIZE
+    with pytest.raises(ValueError, match="--max-batch 8"):
+        choose_ctx_size(MIN_CTX_SIZE, available_bytes=small, **fits)
+    assert choose_ctx_size(256, available_bytes=small, **fits) == 256  # a smaller --ctx-size fits them all
+    # A trained context below the minimum is the default when it fits.
+    assert choose_ctx_size(None, available_bytes=8 * gib, **{**fits, "trained_context": 256}) == 256
+
+
+def test_available_memory_reads_memavailable(tmp_path):
+    from specdec.server.limits import available_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16303404 kB\nMemFree:         1045304 kB\nMemAvailable:    9512340 kB\n")
+    assert available_memory(meminfo) == 9512340 * 1024
+    assert available_memory(tmp_path / "missing") is None

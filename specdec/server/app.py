@@ -1,0 +1,190 @@
+"""The app: create_app() puts the routes, their error handlers and the middleware around one Service, which holds
+what the routes share (the generator, the scheduler, the metrics) and turns a request body into a generation
+request and its answer."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+
+from specdec.generator import DEFAULT_MAX_BATCH
+from specdec.requests import ContextLengthExceeded
+from specdec.server.bodies import Body, ChatBody, CompletionBody
+from specdec.server.errors import APIError, validation_error
+from specdec.server.limits import available_memory, choose_ctx_size
+from specdec.server.metrics import Metrics
+from specdec.server.middleware import MAX_BODY_BYTES, Authenticate, LimitBody, Observe
+from specdec.server.replies import Reply, TurnStream, events
+from specdec.server.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_REQUEST_TIMEOUT_S, Scheduler, Turn
+
+if TYPE_CHECKING:
+    from specdec.generator import SpeculativeGenerator
+    from specdec.requests import Request as GenerationRequest
+
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context has left
+
+
+class Service:
+    """What the routes share: the generator, the scheduler, the metrics, and the context one request holds."""
+
+    def __init__(self, generator: SpeculativeGenerator, model_name: str, max_batch: int, max_queue: int,
+                 ctx_size: int, request_timeout: float | None):
+        self.generator, self.model_name = generator, model_name
+        self.scheduler = Scheduler(generator, max_batch, max_queue, ctx_size, request_timeout)
+        self.context = self.scheduler.batch.max_length  # tokens one request holds, prompt and completion
+        self.metrics = Metrics(lambda: self.scheduler.pending, lambda: self.scheduler.occupancy)
+        self.created = int(time.time())
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specdec",
+                "max_model_len": self.context}  # vLLM's name for the tokens a request may hold
+
+    def check(self, body: Body) -> None:
+        if body.model != self.model_name:
+            raise APIError(404, f"the model `{body.model}` does not exist: this server serves `{self.model_name}`",
+                           "model", "model_not_found")
+        if body.n not in (None, 1):
+            raise APIError(400, f"n must be 1 (got {body.n}): this server returns one choice per request", "n")
+        unsupported = body.unsupported()
+        if unsupported:
+            raise APIError(400, f"{unsupported} is not supported by this server", unsupported,
+                           "unsupported_parameter")
+
+    async def build(self, body: Body, prompt, chat: bool, max_tokens: int | None, param: str) -> GenerationRequest:
+        """The request, built and checked by the generator in a worker thread (the chat template and the tokenizer
+        are blocking work: the event loop keeps answering meanwhile). max_tokens None: what the context has room for.
+        A request that cannot fit in the context (--ctx-size) is refused here, with what to change."""
+        settings = dict(temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k,
+                        top_p=body.top_p, seed=body.seed,
+                        stop=[body.stop] if isinstance(body.stop, str) else body.stop or [])
+        try:
+            return await run_in_threadpool(self.generator.request, prompt, max_tokens, chat=chat,
+                                           max_length=self.context, **settings)
+        except ContextLengthExceeded as error:
+            raise APIError(400, str(error), param if error.prompt_too_long else "max_tokens",
+                           "context_length_exceeded") from error
+        except (ValueError, TypeError, UnicodeError) as error:  # TypeError: text the tokenizer cannot take
+            raise APIError(400, f"the {param} cannot be used: {error}", param) from error
+
+    async def respond(self, request: Request, body: Body, generation: GenerationRequest, chat: bool,
+                      started: float) -> Response:
+        """Queue the request (its timeout counting from `started`, its arrival) and answer it: whole, or as a stream
+        once its first chunk has come (until then an error can still be answered with its status)."""
+        endpoint = request.url.path
+        n_prompt = len(generation.prompt_ids)
+        reply = Reply(chat, self.model_name, n_prompt, bool(body.return_token_ids))
+        turn = Turn(self.scheduler, self.scheduler.submit(generation, started),
+                    on_first=lambda: self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started),
+                    on_last=lambda stats: self.metrics.observe_generation(n_prompt, stats))
+        try:
+            first = await turn.next(request)  # waits in the queue; a refusal comes here, while its status can be sent
+        except BaseException:
+            turn.close()
+            raise
+        if first is None:  # the client left while the request waited
+            return Response(status_code=499)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return TurnStream(events(turn, first, reply, include_usage), turn)
+        texts, token_ids, last = [first.text], list(first.token_ids), first
+        try:
+            while last.finish_reason is None:
+                chunk = await turn.next(request)
+                if chunk is None or (chunk.finish_reason is None and await request.is_disconnected()):
+                    return Response(status_code=499)  # the client left: the scheduler drops it before its next cycle
+                texts.append(chunk.text)
+                token_ids += chunk.token_ids
+                last = chunk
+        finally:
+            turn.close()
+        return JSONResponse(reply.whole("".join(texts), token_ids, last))
+
+
+def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | None = None,
+               max_queue: int = DEFAULT_MAX_QUEUE, max_batch: int = DEFAULT_MAX_BATCH, ctx_size: int | None = None,
+               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S) -> FastAPI:
+    """An OpenAI-compatible app serving `generator` under `model_name` (the `model` clients must send).
+
+    ctx_size: the tokens one request may hold, prompt and completion (default: what memory allows, limits.
+    choose_ctx_size); a ctx_size or max_batch whose KV caches cannot fit is refused here (ValueError).
+    request_timeout: seconds a request may be queued and generating before it ends with 504 (None: no limit).
+    """
+    ctx_size = choose_ctx_size(ctx_size, kv_bytes_per_token=generator.kv_bytes_per_token(),
+                               trained_context=generator.context_length, max_batch=max_batch,
+                               available_bytes=available_memory())
+    service = Service(generator, model_name, max_batch, max_queue, ctx_size, request_timeout)
+    app = FastAPI(title="specdec", summary="Exact speculative decoding behind an OpenAI-compatible API")
+    app.state.service = service
+    # Added innermost first: Observe(Authenticate(LimitBody(app))), so that a client without the key is refused
+    # before its body is read, and 401s and 413s are counted too.
+    app.add_middleware(LimitBody, max_bytes=MAX_BODY_BYTES)
+    if api_key:
+        app.add_middleware(Authenticate, api_key=api_key)
+    app.add_middleware(Observe, metrics=service.metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> Response:
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> Response:
+        return validation_error(error).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        return APIError(error.status_code, str(error.detail), headers=error.headers).response()
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, error: Exception) -> Response:
+        return APIError(500, f"internal error: {type(error).__name__}", kind="server_error").response()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        started = time.perf_counter()
+        service.check(body)
+        max_tokens = COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        generation = await service.build(body, body.prompt, False, max_tokens, "prompt")
+        return await service.respond(request, body, generation, chat=False, started=started)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request) -> Response:
+        started = time.perf_counter()
+        service.check(body)
+        requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        messages = [message.as_template_input() for message in body.messages]
+        generation = await service.build(body, messages, True, requested, "messages")
+        return await service.respond(request, body, generation, chat=True, started=started)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [service.model_card()]}
+
+    @app.get("/v1/models/{model:path}")  # model names may hold slashes: Qwen/Qwen2.5-0.5B-Instruct
+    async def get_model(model: str) -> dict:
+        if model != model_name:
+            raise APIError(404, f"the model `{model}` does not exist: this server serves `{model_name}`", "model",
+                           "model_not_found")
+        return service.model_card()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": model_name, "pending": service.scheduler.pending,
+                "batch": service.scheduler.occupancy, "cross_vocabulary": service.generator.cross_vocabulary}
+
+    @app.get("/v1/specdec/plan")
+    async def kernel_plan() -> dict:
+        """Which kernels the models run their passes with (runtimes.llamacpp.kernels), as the calibration chose them."""
+        return {"kernel_plans": generator.kernel_plans()}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,67 @@
+"""The request bodies of /v1/completions and /v1/chat/completions: strict types ("16" is not a number), unknown
+fields kept so that the OpenAI options this server does not implement can be refused rather than ignored."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI options this server does not implement, with the values that leave them off: others are refused, not ignored.
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0),
+               "frequency_penalty": (None, 0), "tools": (None, []), "functions": (None, []),
+               "response_format": (None, {"type": "text"})}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    include_usage: bool | None = None
+
+
+class Body(BaseModel):
+    """What both endpoints take."""
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    model: str
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's range; None -> 1.0, OpenAI's default; 0 is greedy
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=1)  # not OpenAI's; accepted as vLLM does
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what a torch.Generator takes
+    n: int | None = None  # only 1
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None  # not OpenAI's: as vLLM, each choice also carries its "token_ids"
+
+    def unsupported(self) -> str | None:
+        """The first OpenAI option this body turns on that the server does not implement, if any."""
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+                return name
+        return None
+
+
+class CompletionBody(Body):
+    prompt: str | list[int]  # text, or token ids of the target's vocabulary
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": self.role, "content": content}
+
+
+class ChatBody(Body):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name for max_tokens

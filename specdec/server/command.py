@@ -1,0 +1,63 @@
+"""`specdec serve`: its flags, and the command that loads the models once and serves them with uvicorn."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from specdec.generator import DEFAULT_MAX_BATCH
+from specdec.options import add_generation_args, generator_from_args
+from specdec.server.app import create_app
+from specdec.server.limits import CTX_STEP, MEMORY_SHARE
+from specdec.server.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_REQUEST_TIMEOUT_S
+
+
+def add_serve_parser(subparsers) -> None:
+    parser = subparsers.add_parser("serve", help="serve the models over an OpenAI-compatible HTTP API")
+    add_generation_args(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to bind (default: %(default)s, this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on every route but /health "
+                             "(default: $SPECDEC_API_KEY, else no key)")
+    parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                        help="requests decoded together, each drafting with its own fork of the drafter, their "
+                             "target passes fused where the runtime can; 1 serves one at a time. Refused at start "
+                             "when their KV caches at --ctx-size do not fit in memory (default: %(default)s)")
+    parser.add_argument("--ctx-size", type=int, default=None,
+                        help="tokens one request may hold, prompt and completion together; prompts are checked "
+                             "against it and /v1/models reports it as max_model_len (default: what memory allows: "
+                             f"the largest multiple of {CTX_STEP} tokens, at most the target's trained context, for "
+                             f"which --max-batch requests' KV caches fit in {MEMORY_SHARE:.0%}% of the available "
+                             "memory)")
+    parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                        help="requests that may wait while the batch is full; more get 503 (default: %(default)s)")
+    parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="SECONDS",
+                        help="a request still queued or generating after this long ends with 504 (streamed: an "
+                             "error event) and leaves the batch (default: %(default)g)")
+    parser.add_argument("--model-name", default=None,
+                        help="the `model` clients send (default: the --target value)")
+    parser.set_defaults(func=run_serve)
+
+
+def run_serve(args) -> int:
+    import uvicorn
+
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
+    generator = generator_from_args(args)  # loaded once, shared by every request
+    app = create_app(generator, args.model_name or args.target, args.api_key, args.max_queue, args.max_batch,
+                     ctx_size=args.ctx_size, request_timeout=args.request_timeout)
+    service = app.state.service
+    print(f"specdec: up to {service.scheduler.batch.max_batch} requests at once (--max-batch), each of up to "
+          f"{service.context} tokens (--ctx-size)", file=sys.stderr)
+    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port)
+    return 0

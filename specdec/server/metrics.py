@@ -1,0 +1,54 @@
+"""The server's Prometheus metrics: requests, latency and time to first token by endpoint, tokens, speculation
+counts (mean accepted length and acceptance rate as specdec.metrics defines them), queue depth and batch occupancy."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from specdec.metrics import SpecStats
+
+
+class Metrics:
+    """Prometheus metrics of one app, in its own registry (several apps may live in one process, as in the tests)."""
+
+    def __init__(self, queue_depth: Callable[[], int], occupancy: Callable[[], int]):
+        self.registry = registry = CollectorRegistry()
+        self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=registry)
+        self.latency = Histogram("specdec_request_latency_seconds", "Request latency, a stream until its last byte",
+                                 ["endpoint"], registry=registry,
+                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.ttft = Histogram("specdec_time_to_first_token_seconds",
+                              "From arrival (queueing included) to the first cycle's tokens", ["endpoint"],
+                              registry=registry, buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished generations",
+                                     registry=registry)
+        self.completion_tokens = Counter("specdec_completion_tokens", "Tokens generated", registry=registry)
+        self.drafted = Counter("specdec_drafted_tokens", "Draft tokens proposed", registry=registry)
+        self.accepted = Counter("specdec_accepted_tokens", "Draft tokens accepted by the target", registry=registry)
+        self.cycles = Counter("specdec_verify_cycles", "Verify cycles (mean accepted length = "
+                              "(accepted + cycles) / cycles)", registry=registry)
+        self._totals = [0, 0]  # drafted, accepted: for the acceptance-rate gauge
+        Gauge("specdec_acceptance_rate", "Accepted / drafted tokens over all generations so far",
+              registry=registry).set_function(lambda: self._totals[1] / self._totals[0] if self._totals[0] else 0.0)
+        Gauge("specdec_queue_depth", "Requests generating or waiting for the model",
+              registry=registry).set_function(queue_depth)
+        Gauge("specdec_batch_occupancy", "Requests in the batch being decoded now",
+              registry=registry).set_function(occupancy)
+        self.request_acceptance = Histogram("specdec_request_acceptance_rate",
+                                            "Per request: accepted / drafted tokens (requests that drafted)",
+                                            registry=registry, buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1))
+
+    def observe_generation(self, prompt_tokens: int, stats: SpecStats) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.completion_tokens.inc(stats.new_tokens)
+        self.drafted.inc(stats.drafted_tokens)
+        self.accepted.inc(stats.accepted_tokens)
+        self.cycles.inc(stats.cycles)
+        self._totals[0] += stats.drafted_tokens
+        self._totals[1] += stats.accepted_tokens
+        if stats.drafted_tokens:
+            self.request_acceptance.observe(stats.accepted_tokens / stats.drafted_tokens)

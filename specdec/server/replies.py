@@ -1,0 +1,120 @@
+"""Response bodies in OpenAI's shapes (a whole completion, a stream's chunks, its usage chunk), and the server-sent
+events of a streamed request, which free the model however the stream ends.
+
+Responses carry OpenAI's fields plus `specdec`: the request's speculation stats (SpecStats.to_dict(): drafted and
+accepted tokens, acceptance rate, mean accepted length, ...). A stream carries them on its last chunk before
+`data: [DONE]`, which is the usage chunk (`choices: []`) when `stream_options.include_usage` asks for one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from specdec.server.errors import APIError, generation_failed
+
+if TYPE_CHECKING:
+    from specdec.metrics import SpecStats
+    from specdec.output import Chunk
+    from specdec.server.scheduler import Turn
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Reply:
+    """The response bodies of one request, in its endpoint's shape."""
+    chat: bool
+    model: str
+    prompt_tokens: int
+    with_token_ids: bool = False  # each choice carries the ids of its tokens (return_token_ids)
+    id: str = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def usage(self, stats: SpecStats) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": stats.new_tokens,
+                "total_tokens": self.prompt_tokens + stats.new_tokens}
+
+    def whole(self, text: str, token_ids: list[int], last: Chunk) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": last.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+        if self.with_token_ids:
+            choice["token_ids"] = token_ids
+        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
+                              usage=self.usage(last.stats), specdec=last.stats.to_dict())
+
+    def piece(self, chunk: Chunk, first: bool, with_stats: bool) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": chunk.finish_reason}
+        else:
+            choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
+        if self.with_token_ids:
+            choice["token_ids"] = chunk.token_ids
+        extra = {"specdec": chunk.stats.to_dict()} if with_stats else {}
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
+
+    def usage_piece(self, stats: SpecStats) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
+                              usage=self.usage(stats), specdec=stats.to_dict())
+
+
+def event(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+async def events(turn: Turn, first: Chunk, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+    """One event per generator Chunk, the usage chunk if asked for, then [DONE]. An error mid-stream (the status line
+    is already sent: the request failed or timed out) becomes an error event, as OpenAI sends it, and ends the
+    stream without [DONE]."""
+    chunk, is_first = first, True
+    try:
+        while chunk is not None:
+            last = chunk.finish_reason is not None
+            yield event(reply.piece(chunk, is_first, with_stats=last and not include_usage))
+            if last:
+                if include_usage:
+                    yield event(reply.usage_piece(chunk.stats))
+                break
+            chunk, is_first = await turn.next(), False
+    except APIError as error:
+        yield event(error.body())
+        return
+    except Exception as error:
+        log.exception("a streamed response failed")
+        yield event(generation_failed(error).body())
+        return
+    yield "data: [DONE]\n\n"
+
+
+class TurnStream(StreamingResponse):
+    """Server-sent events that free the model when the response ends, however it ends: finished, client gone (the body
+    cancelled mid-cycle or left waiting at a yield), or never started."""
+
+    def __init__(self, body: AsyncIterator[str], turn: Turn):
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.turn = turn
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.turn.close()
