@@ -35,7 +35,10 @@ def print_marked(tokenizer, token_ids: list[int], from_draft: list[bool]) -> Non
 
 def summary_line(stats: SpecStats, speculative: bool = True) -> str:
     line = f"{stats.new_tokens} tokens in {stats.total_s:.2f} s: {stats.tokens_per_s:.2f} tokens/s"
-    if speculative and stats.drafted_tokens == 0 and stats.cycles > 0:
+    if speculative and stats.drafted_tokens == 0 and stats.narrowed_cycles == stats.cycles > 0:
+        line += ("; nothing was drafted: on this runtime no pass over several tokens reproduced one-token passes bit "
+                 "for bit (the exact verify width the runtime calibrated is 1), so every token was verified alone")
+    elif speculative and stats.drafted_tokens == 0 and stats.cycles > 0:
         line += ("; nothing was drafted: the drafter found nothing to propose, or k=auto judged from the measured "
                  "costs (a verify pass over several tokens against one, a draft step against a target step) that "
                  "speculation could not pay here and decoded plainly (`specdec bench` shows the costs)")

@@ -150,6 +150,18 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int, eos: set[int
     return ids[len(prompt):]
 
 
+@pytest.fixture
+def trusted_torch_widths(monkeypatch):
+    """For tests of the algorithm on tiny torch models (stop strings, the CLI's report), not of torch's kernels: every
+    verify width counts as exact, so that such a model drafts although its passes over several tokens round in the
+    last bit unlike one-token passes (runtimes.pytorch.exact_verify_width would verify one token at a time). Its
+    greedy output is still compared with plain decoding; the calibration itself is tested in
+    tests/test_torch_exactness.py."""
+    from specdec.runtimes import pytorch
+
+    monkeypatch.setattr(pytorch, "exact_verify_width", lambda model: pytorch.ExactWidth(16, 2**31))
+
+
 @pytest.fixture(scope="session")
 def llama_pair():
     """(target, unrelated random draft) of one architecture."""
