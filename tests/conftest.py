@@ -343,3 +343,18 @@ def serve(app):
         uv.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def draft_with(model):
+    """A draft-model drafter over a tiny torch model, each request in a runner of its own."""
+    from specdec.runtimes.pytorch import TorchRunner
+
+    return ModelDrafter(lambda: TorchRunner(model, model.config.vocab_size))
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def models(request):
+    """A tiny target of each architecture, and drafts for it: itself, an unrelated model, a close copy."""
+    target = tiny_model(request.param, seed=0)
+    return {"target": target, "self": target, "random": tiny_model(request.param, seed=1),
+            "close": close_draft(target)}

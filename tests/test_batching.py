@@ -7,26 +7,17 @@ import torch
 
 from specdec.adaptive import FixedK
 from specdec.batching import batch_cycle, fused_forward, shape_pass
-from specdec.drafters import ModelDrafter, NoDrafter
+from specdec.drafters import NoDrafter
 from specdec.engine import Decoding
 from specdec.runtimes.pytorch import TorchRunner
 from specdec.sampling import SamplingConfig, make_generator
 
-from conftest import ToyRunner, close_draft, reference_greedy, tiny_model
+from conftest import ToyRunner, draft_with, reference_greedy
 
 GREEDY = SamplingConfig()
 PROMPTS = [[5], [1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 9, 10, 11, 9, 9, 9]]
 
 
-def draft_with(model):
-    return ModelDrafter(lambda: TorchRunner(model, model.config.vocab_size))
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def models(request):
-    target = tiny_model(request.param, seed=0)
-    return {"target": target, "self": target, "random": tiny_model(request.param, seed=1),
-            "close": close_draft(target)}
 
 
 def batch_decode(target, drafters_and_ks, prompts, max_new_tokens, pass_cost):

@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from specdec.adaptive import FixedK
-from specdec.drafters import ModelDrafter, NoDrafter
+from specdec.drafters import NoDrafter
 from specdec.engine import Decoding, speculative_decode
 from specdec.metrics import SpecStats
 from specdec.runtimes.pytorch import TorchRunner
 from specdec.sampling import SamplingConfig, make_generator
 
-from conftest import ToyRunner, close_draft, reference_greedy, tiny_model
+from conftest import ToyRunner, draft_with, reference_greedy, tiny_model
 
 GREEDY = SamplingConfig()
 PROMPTS = [[5], [1, 2, 3, 4, 5, 6, 7], [9, 9, 9, 9, 10, 11, 9, 9, 9]]
@@ -26,15 +26,6 @@ def decode(target, drafter, prompt, k, max_new_tokens, eos=frozenset(), sampling
     return [t for step in steps for t in step.tokens], steps, stats
 
 
-def draft_with(model):
-    return ModelDrafter(lambda: TorchRunner(model, model.config.vocab_size))
-
-
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
-def models(request):
-    target = tiny_model(request.param, seed=0)
-    return {"target": target, "self": target, "random": tiny_model(request.param, seed=1),
-            "close": close_draft(target)}
 
 
 @pytest.mark.parametrize("k", [1, 4, 8])
