@@ -10,6 +10,8 @@ from specdec.metrics import tested_tokens
 class FixedK:
     """The same k every cycle."""
 
+    acceptance = None  # it keeps no estimate
+
     def __init__(self, k: int):
         if k < 1:
             raise ValueError(f"k (draft tokens per cycle) must be >= 1, got {k}")

@@ -291,7 +291,7 @@ class Batch:
 
 
 def _k_policy(request: Request, drafter, priors: dict):
-    if getattr(drafter, "chooses_k", False):  # the drafter decides; k only caps it
+    if drafter.chooses_k:  # the drafter decides; k only caps it
         return make_k_policy(K_MAX if request.k == "auto" else request.k)
     # A seeded sample must not depend on the clock: k decides how the random stream is consumed.
     return make_k_policy(request.k, timed=not request.seeded_sample, **priors)

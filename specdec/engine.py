@@ -22,6 +22,8 @@ from specdec.verify import greedy_verify, rejection_sample
 
 
 class KPolicy(Protocol):
+    acceptance: float | None  # the policy's estimate of each draft token's chance of acceptance, if it keeps one
+
     def next_k(self) -> int: ...
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float) -> None: ...
 
@@ -130,7 +132,7 @@ class Decoding:
         (else this sequence's share of accepted draft tokens so far, from a prior of one accepted and one rejected)."""
         estimate = self._proposal.acceptance if self._proposal is not None else None
         if estimate is None:
-            estimate = getattr(self.k, "acceptance", None)  # AdaptiveK keeps one; FixedK does not
+            estimate = self.k.acceptance  # AdaptiveK keeps one; FixedK does not (None)
         if estimate is None:
             estimate = (self.stats.accepted_tokens + 1) / (self.stats.drafted_tokens + 2)
         return estimate

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import platform
 import time
 from importlib.metadata import version
@@ -37,6 +38,7 @@ def measure(name: str, kind: str) -> dict:
     """One model in one kind: the calibration, then every width at each context after a real prefill."""
     dtype, quantization = KINDS[kind]
     model, _ = TORCH.load(name, dtype=dtype, quantization=quantization)
+    load = os.getloadavg()[0]  # the machine's business when the calibration was timed
     started = time.perf_counter()
     found = measure_exact_width(model)
     calibration_s = time.perf_counter() - started
@@ -53,7 +55,7 @@ def measure(name: str, kind: str) -> dict:
     return {"model": name, "kind": kind, "dtype": str(dtype).removeprefix("torch."), "quantization": quantization,
             "exact_widths_after_prefill": after_prefill,
             "calibrated": {"width": found.width, "longest_context": found.longest_context},
-            "calibration_s": round(calibration_s, 2)}
+            "calibration_s": round(calibration_s, 2), "load_average_1min": round(load, 2)}
 
 
 def cpu_name() -> str:
@@ -67,13 +69,22 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), help="registry names (pulled)")
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
-    parser.add_argument("--out", type=Path, default=Path("docs/torch-exactness/widths.json"))
+    parser.add_argument("--out", type=Path, default=Path("docs/torch-exactness/widths.json"),
+                        help="written after each model; its rows for other models or kinds are kept")
     args = parser.parse_args(argv)
-    rows = []
+    try:
+        rows = json.loads(args.out.read_text())["results"]
+    except (OSError, ValueError, KeyError):
+        rows = []
     for name in args.models:
         for kind in args.kinds:
-            rows.append(measure(name, kind))
-            print(json.dumps(rows[-1]), flush=True)
+            row = measure(name, kind)
+            print(json.dumps(row), flush=True)
+            rows = [r for r in rows if (r["model"], r["kind"]) != (name, kind)] + [row]
+            write(args.out, rows)
+
+
+def write(path: Path, rows: list[dict]) -> None:
     header = {"what": "widths w in 2..16 whose pass over w probe tokens after N cached tokens gives each position "
                       "the logits of one-token passes bit for bit (torch.equal); calibrated: what measure_exact_width "
                       "finds",
@@ -81,8 +92,8 @@ def main(argv=None) -> None:
               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": version("transformers")}
     lines = [f" {json.dumps(key)}: {json.dumps(value)}," for key, value in header.items()]
     results = ",\n".join(f"  {json.dumps(row)}" for row in rows)  # one result a line
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("{\n" + "\n".join(lines) + '\n "results": [\n' + results + "\n ]\n}\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{\n" + "\n".join(lines) + '\n "results": [\n' + results + "\n ]\n}\n")
 
 
 if __name__ == "__main__":

@@ -82,7 +82,7 @@ def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Draft
     if spec is None:
         return NoDrafter(), None
     if isinstance(spec, Drafter):
-        return spec, getattr(spec, "model", None)
+        return spec, spec.model
     if isinstance(spec, str):
         name, _, arg = spec.partition(":")
         if name in DRAFTERS:

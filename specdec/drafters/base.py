@@ -51,6 +51,9 @@ class Drafter:
     """Base drafter; subclasses override `propose` and, if they keep state, `begin` and `accept`."""
 
     name = "drafter"
+    chooses_k = False  # True: the drafter decides how many tokens to draft, and the engine's k only caps it
+    model = None  # the draft model it runs, if any
+    last_match = 0  # tokens of the context the last proposal was matched on (lookup drafters; 0: not a lookup)
 
     def begin(self, prompt_ids: torch.Tensor) -> None:
         """A new generation starts from prompt_ids [batch, n]."""

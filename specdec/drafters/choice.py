@@ -127,7 +127,7 @@ class ChoosingDrafter(Drafter):
     def _lookup_estimate(self) -> str | tuple[str, int]:
         """Which acceptance estimate the lookup's latest proposal is judged by: its band of matched suffix lengths,
         where the lookup says how long a suffix it matched (MATCH_BANDS); else the one estimate for all lookups."""
-        matched = getattr(self.lookup, "last_match", None)
+        matched = self.lookup.last_match
         if not matched:
             return "lookup"
         return "lookup", max(band for band in MATCH_BANDS if band <= matched)
