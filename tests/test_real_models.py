@@ -10,6 +10,7 @@ import os
 import pytest
 
 from specdec import SpeculativeGenerator, registry
+from specdec.runtimes.pytorch import exact_verify_width
 
 from conftest import human_eval_prompts
 
@@ -43,7 +44,10 @@ def test_speculative_greedy_equals_target_only_on_human_eval(pair, references):
     for prompt, ref in references.items():
         out = speculative.generate(prompt, max_new_tokens=NEW_TOKENS)
         assert out.token_ids == ref.token_ids
-        assert out.stats.acceptance_rate > 0.3  # a same-family draft on code: most tokens are accepted
+        if exact_verify_width(speculative.target).width == 1:  # passes over several tokens round differently here
+            assert out.stats.narrowed_cycles == out.stats.cycles and out.stats.drafted_tokens == 0
+        else:
+            assert out.stats.acceptance_rate > 0.3  # a same-family draft on code: most tokens are accepted
         print(f"spec {out.stats.tokens_per_s:.2f} tok/s (accept {out.stats.acceptance_rate:.0%}, "
               f"mean accepted length {out.stats.mean_accepted_length:.2f}) vs target-only "
               f"{ref.stats.tokens_per_s:.2f} tok/s")
