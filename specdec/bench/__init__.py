@@ -9,6 +9,7 @@ command.py    the subcommand
 load.py       `specdec load`: concurrent clients against the server, one request at a time vs batched
 servers.py    `specdec bench-servers`: specdec serve against upstream llama-server, each a process driven over HTTP
 kernels.py    `specdec kernels`: the kernel plan of a GGUF model on this machine, every candidate's pass times
+torch_exactness.py  `python -m specdec.bench.torch_exactness`: which verify widths are exact on the torch runtime
 """
 
 from specdec.bench.command import add_bench_parser
