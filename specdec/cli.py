@@ -9,6 +9,7 @@ from pathlib import Path
 
 from specdec import bench, registry, server
 from specdec.options import add_generation_args, generator_from_args
+from specdec.registry.command import add_models_parser
 from specdec.runtimes import LLAMA_CPP
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
@@ -122,7 +123,7 @@ def _plain_llama_cpp(gen, args, settings: dict) -> float | None:
 # name -> function that adds the subcommand's parser (and sets its handler as `func`)
 COMMANDS = {
     "generate": add_generate_parser,
-    "models": registry.add_models_parser,
+    "models": add_models_parser,
     "serve": server.add_serve_parser,
     "bench": bench.add_bench_parser,
     "load": bench.add_load_parser,

@@ -15,7 +15,7 @@ from specdec.batching import Batch
 from specdec.batching import Generation
 from specdec.drafters import CrossVocabDrafter, ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
 from specdec.drafters.choice import ChoosingDrafter, Costs
-from specdec.models import own_vocab_size
+from specdec.vocabulary import own_vocab_size
 from specdec.output import Chunk, GenerationResult
 from specdec.requests import Request
 from specdec.runtimes import Runtime, pick_runtime

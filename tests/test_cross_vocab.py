@@ -9,7 +9,7 @@ import torch
 from specdec import SpeculativeGenerator
 from specdec.drafters import CrossVocabDrafter
 from specdec.drafters.cross_vocab import DraftText, Vocabularies
-from specdec.models import IncompatibleVocabulary
+from specdec.vocabulary import IncompatibleVocabulary
 from specdec.sampling import SamplingConfig, make_generator
 
 from conftest import (ALPHABET, DRAFT_MERGES, TARGET_MERGES, byte_bpe_tokenizer, char_tokenizer, successor_model,

@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specdec import SpeculativeGenerator
-from specdec.models import IncompatibleVocabulary
+from specdec.vocabulary import IncompatibleVocabulary
 from specdec.runtimes.pytorch import RollbackUnsupported, TorchRunner
 
 from conftest import char_tokenizer, close_draft, tiny_model

@@ -292,7 +292,9 @@ def test_list_models_on_an_empty_cache(cache):
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specdec")
-    registry.add_models_parser(parser.add_subparsers())
+    from specdec.registry.command import add_models_parser
+
+    add_models_parser(parser.add_subparsers())
     return parser.parse_args(argv)
 
 

@@ -18,7 +18,7 @@ import time
 import torch
 
 from specdec.adaptive import expected_tokens
-from specdec.models import model_vocab_size
+from specdec.vocabulary import model_vocab_size
 from specdec.runtimes import Runner, runtime_of
 
 VERIFY_WIDTHS = (1, 2, 4, 8, 16)  # new tokens per target pass on the verify-cost curve

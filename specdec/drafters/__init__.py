@@ -10,7 +10,7 @@ import torch
 from specdec.drafters.base import Drafter, NoDrafter, Proposal
 from specdec.drafters.cross_vocab import CrossVocabDrafter, Vocabularies
 from specdec.drafters.model import ModelDrafter
-from specdec.models import IncompatibleVocabulary, own_vocab_size, shared_vocab_size, vocabulary_difference
+from specdec.vocabulary import IncompatibleVocabulary, own_vocab_size, shared_vocab_size, vocabulary_difference
 from specdec.runtimes import TORCH, Runtime, runtime_of
 
 

@@ -34,7 +34,7 @@ import torch
 
 from specdec.drafters.base import Proposal
 from specdec.drafters.model import ModelDrafter, common_prefix_length
-from specdec.models import IncompatibleVocabulary
+from specdec.vocabulary import IncompatibleVocabulary
 from specdec.runtimes.base import Runner
 from specdec.sampling import SamplingConfig
 

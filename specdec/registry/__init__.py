@@ -28,7 +28,6 @@ from specdec.registry.catalog import (
     SplitParts,
     get_spec,
 )
-from specdec.registry.command import add_models_parser
 from specdec.registry.convert import cached_dir_for_gguf, convert_gguf, gguf_tokenizer_dir
 from specdec.registry.errors import (
     ChecksumMismatch,
@@ -45,7 +44,7 @@ from specdec.registry.resources import available_memory_bytes, check_memory
 __all__ = [
     "CACHE_ENV", "DEFAULT_DRAFT", "DEFAULT_TARGET", "MARKER", "MODELS", "ChecksumMismatch", "GgufSource",
     "InsufficientResources", "ModelNotAvailable", "ModelRow", "ModelSpec", "PackagedFile", "RegistryError",
-    "SplitParts", "UnknownModel", "add_models_parser", "available_memory_bytes", "cache_root", "cached_dir_for_gguf",
+    "SplitParts", "UnknownModel", "available_memory_bytes", "cache_root", "cached_dir_for_gguf",
     "check_memory", "convert_gguf", "get_spec", "gguf_file", "gguf_ready", "gguf_tokenizer_dir", "is_cached",
     "is_installed", "join_parts", "list_models", "local_model_dir", "pull", "sha256_file",
 ]
