@@ -324,7 +324,7 @@ def concurrent_prompts(generator) -> list[str]:
 
     long = "List every person named in these news articles."
     for prompt in TASKS["summarisation"].load():
-        if len(generator.encode(long, chat=True)[0]) > 1200:
+        if len(generator.encode(long, chat=True)) > 1200:
             break
         long += "\n\n" + prompt.text.split("\n\n", 1)[1]
     return [long, *load.load_prompts(generator, 15, ("code", "summarisation", "maths"), 700)]

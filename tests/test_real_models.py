@@ -10,7 +10,7 @@ import os
 import pytest
 
 from specdec import SpeculativeGenerator, registry
-from specdec.runtimes.pytorch import exact_verify_width
+from specdec.runtimes.pytorch import TorchRunner
 
 from conftest import human_eval_prompts
 
@@ -44,7 +44,8 @@ def test_speculative_greedy_equals_target_only_on_human_eval(pair, references):
     for prompt, ref in references.items():
         out = speculative.generate(prompt, max_new_tokens=NEW_TOKENS)
         assert out.token_ids == ref.token_ids
-        if exact_verify_width(speculative.target).width == 1:  # passes over several tokens round differently here
+        narrow = TorchRunner(speculative.target, speculative.vocab_size).verify_width(len(speculative.encode(prompt)))
+        if narrow == 1:  # no wider pass was found exact where this prompt stands (fp32 rounds differently)
             assert out.stats.narrowed_cycles == out.stats.cycles and out.stats.drafted_tokens == 0
         else:
             assert out.stats.acceptance_rate > 0.3  # a same-family draft on code: most tokens are accepted
