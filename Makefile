@@ -56,8 +56,19 @@ demo: models-llama-cpp llama-server
 
 # The whole suite, real-model tests included (they fail rather than skip when the models are missing).
 # SPECDEC_GGML_INCLUDE: ggml's headers, kept beside the wheel, for the kernels' C-level test (tests/test_kernels.py).
+# The three heaviest modules run each in a pytest process of its own and the rest in one, so that the peak is the
+# largest module's (the fp32 torch pair: 8.6 GB), not their sum (over 20 GB in one process, issue #26: a llama.cpp model
+# stays resident until its process ends). Every part runs; any part that fails (a module missing, nothing collected:
+# pytest's exit code 5) fails the target, and Ctrl-C stops it.
+TEST_OWN_PROCESS := tests/test_llamacpp.py tests/test_real_llamacpp.py tests/test_real_models.py
 test: models
-	SPECDEC_REQUIRE_REAL_MODELS=1 SPECDEC_GGML_INCLUDE=$(WHEELS)/include $(BIN)/python -m pytest -q -p no:cacheprovider
+	@trap 'exit 130' INT; failed=; \
+	for part in "$(TEST_OWN_PROCESS:%=--ignore=%)" $(TEST_OWN_PROCESS); do \
+		echo "== pytest $$part"; \
+		SPECDEC_REQUIRE_REAL_MODELS=1 SPECDEC_GGML_INCLUDE=$(WHEELS)/include $(BIN)/python -m pytest -q \
+			-p no:cacheprovider $$part || failed="$$failed [$$part]"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "make test: failed:$$failed" >&2; exit 1; fi
 
 # Tiny-model tests only: no model download.
 test-fast: setup
