@@ -205,7 +205,8 @@ class Batch:
     def pool(self, model) -> SequencePool:
         """This batch's pool of a model's sequences (how a request's drafter gets its draft model's sequence)."""
         if id(model) not in self.pools:
-            self.pools[id(model)] = runtime_of(model).pool(model, self.max_batch, self._max_length)
+            self.pools[id(model)] = runtime_of(model).pool(model, self.max_batch, self._max_length,
+                                                           self.generator.prompt_cache)
         return self.pools[id(model)]
 
     def room(self) -> int:

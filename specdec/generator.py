@@ -17,6 +17,7 @@ from specdec.drafters import CrossVocabDrafter, ModelDrafter, SuffixDrafter, Tar
 from specdec.drafters.choice import ChoosingDrafter, Costs
 from specdec.vocabulary import own_vocab_size
 from specdec.output import Chunk, GenerationResult
+from specdec.prompt_cache import DEFAULT_BUDGET_MB, PromptCache
 from specdec.requests import Request
 from specdec.runtimes import Runtime, pick_runtime
 from specdec.sampling import SamplingConfig
@@ -45,12 +46,17 @@ class SpeculativeGenerator:
     "auto": llama.cpp for GGUF models when it is installed, else torch (or a specdec.runtimes.Runtime; `gen.runtime`
     is the one chosen). Target and draft model share the runtime.
     threads: CPU threads (llama.cpp: per model; torch: sets torch's intra-op threads). Default: every core we have.
+    prompt_cache: the prompt cache's budget in MB (0: off), or a specdec.prompt_cache.PromptCache to share with
+    another generator of the same models. Requests reuse the KV cache of prompt blocks that earlier requests
+    prefilled, where the runtime does so exactly (llama.cpp): a prompt that starts like an earlier one prefills only
+    the rest, and its output is the one it would have without the cache. Target and draft model share its budget;
+    `gen.prompt_cache` is it (None where prompts are not cached), with its stats.
     """
 
     def __init__(self, target, draft=None, k: int | str = "auto", *, tokenizer=None, draft_tokenizer=None,
                  dtype: torch.dtype = torch.float32, target_quantization: str | None = None,
                  draft_quantization: str | None = None, runtime: str | Runtime = "auto",
-                 threads: int | None = None):
+                 threads: int | None = None, prompt_cache: float | PromptCache = DEFAULT_BUDGET_MB):
         make_k_policy(k)  # refuse a bad k now rather than at the first request
         self.k = k
         self.runtime = pick_runtime(runtime, target)  # a specdec.runtimes.Runtime
@@ -75,6 +81,12 @@ class SpeculativeGenerator:
             c = self.draft_costs.step_s / self.target_costs.step_s
             costs = Costs(self.target_costs.verify_cost, c, c * self.draft_costs.verify_cost(16) / 16)
             self.drafter = ChoosingDrafter(SuffixDrafter(), self.drafter, costs)
+        # The prompt cache its requests prefill through, where the runtime caches prompts (None: every prompt is
+        # prefilled whole)
+        self.prompt_cache = prompt_cache if isinstance(prompt_cache, PromptCache) else PromptCache.of_megabytes(
+            prompt_cache)
+        if not (self.runtime.caches_prompts and self.prompt_cache.enabled):
+            self.prompt_cache = None
         self.eos_ids = self.runtime.eos_ids(self.target) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set())

@@ -22,6 +22,7 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     new_tokens: int = 0  # tokens returned to the user (after EOS / max_new_tokens / stop truncation)
+    cached_prompt_tokens: int = 0  # prompt tokens the target took from the prompt cache instead of prefilling them
     emitted_per_cycle: Counter = field(default_factory=Counter)  # histogram: tokens emitted by a cycle -> count
     drafted_by_position: list[int] = field(default_factory=list)  # [i]: cycles that drafted a token at position i
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: cycles whose draft token i was accepted
@@ -78,6 +79,7 @@ class SpecStats:
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "new_tokens": self.new_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
             "tokens_per_s": self.tokens_per_s,

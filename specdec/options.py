@@ -37,8 +37,20 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
                              "acceptance and costs, 0 (plain decoding) where speculation cannot pay")
 
 
-def generator_from_args(args):
-    """The SpeculativeGenerator that the flags of add_generation_args describe (models loaded once, here)."""
+def add_prompt_cache_arg(parser: argparse.ArgumentParser) -> None:
+    """--prompt-cache-mb, for the commands that serve requests (serve, load)."""
+    from specdec.prompt_cache import DEFAULT_BUDGET_MB
+
+    parser.add_argument("--prompt-cache-mb", type=float, default=DEFAULT_BUDGET_MB, metavar="MB",
+                        help="memory for the KV cache of earlier requests' prompts, so that a prompt that starts "
+                             "like an earlier one (a conversation's next turn, an agent's instructions) prefills only "
+                             "the rest; answers stay exactly those of an uncached prompt. Least recently used blocks "
+                             "go first; 0 turns it off (default: %(default)g)")
+
+
+def generator_from_args(args, prompt_cache: float = 0):
+    """The SpeculativeGenerator that the flags of add_generation_args describe (models loaded once, here), with a
+    prompt cache of prompt_cache MB (default: none, for the commands that time single prompts)."""
     from specdec.generator import SpeculativeGenerator
 
     if args.threads is not None and args.threads < 1:
@@ -48,7 +60,8 @@ def generator_from_args(args):
                                                                                      args.quantize_draft)
     draft = None if args.draft == "none" else args.draft
     gen = SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
-                               draft_quantization=draft_quantization, runtime=runtime, threads=args.threads)
+                               draft_quantization=draft_quantization, runtime=runtime, threads=args.threads,
+                               prompt_cache=prompt_cache)
     if gen.cross_vocabulary:
         print(f"specdec: {gen.cross_vocabulary}", file=sys.stderr)
     return gen

@@ -245,8 +245,9 @@ def _parse_k(text: str) -> int | str:
 
 
 def _sibling(gen: SpeculativeGenerator, drafter, k: int | str = "auto") -> SpeculativeGenerator:
-    """Another generator on gen's loaded target (shared, never copied) and runtime."""
-    return SpeculativeGenerator(gen.target, drafter, k, tokenizer=gen.tokenizer, runtime=gen.runtime)
+    """Another generator on gen's loaded target (shared, never copied) and runtime; like gen (the benchmark's), it
+    caches no prompts: every method prefills every prompt."""
+    return SpeculativeGenerator(gen.target, drafter, k, tokenizer=gen.tokenizer, runtime=gen.runtime, prompt_cache=0)
 
 
 def _peer(name: str, gen: SpeculativeGenerator) -> Method:

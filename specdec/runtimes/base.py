@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from specdec.prompt_cache import PromptCache
 
 
 class Runner(Protocol):
@@ -21,6 +24,7 @@ class Runner(Protocol):
     vocab_size: int  # logits are cut to this many tokens (the vocabulary shared by target and drafter)
     max_length: int  # tokens this sequence may hold
     pool: SequencePool | None  # the pool it came from, whose forward_many can take it with its other sequences
+    prompt_tokens_reused: int  # tokens of its prompt (its first forward) taken from a prompt cache, not computed
 
     @property
     def length(self) -> int:
@@ -102,6 +106,9 @@ class Runtime:
     # The peer that decodes plainly from the same weights, which every benchmark and `generate --compare` measure as
     # the plain decoder to beat (None: target-only decoding is that baseline)
     baseline_peer: str | None = None
+    # Whether the sequences of its pools prefill their prompts through a prompt cache (specdec.prompt_cache), reusing
+    # blocks exactly; where not, every prompt is prefilled whole
+    caches_prompts = False
 
     def installed(self) -> bool:
         return True
@@ -145,8 +152,10 @@ class Runtime:
     def prepare_as_target(self, model) -> None:
         """Measure now what a target needs (its exact widths), not inside the first request's timing."""
 
-    def pool(self, model, sequences: int = 1, max_length: int | None = None) -> SequencePool:
-        """The model's sequences for a batch of `sequences` requests of up to max_length tokens each."""
+    def pool(self, model, sequences: int = 1, max_length: int | None = None,
+             prompt_cache: PromptCache | None = None) -> SequencePool:
+        """The model's sequences for a batch of `sequences` requests of up to max_length tokens each, whose prompts
+        are prefilled through prompt_cache where the runtime caches prompts."""
         raise NotImplementedError
 
     def costs(self, model) -> PassCosts | None:

@@ -47,6 +47,8 @@ def has_dynamic_quantization(model) -> bool:
 class TorchRunner:
     """A transformers causal LM (shared, never copied) plus this sequence's own DynamicCache."""
 
+    prompt_tokens_reused = 0  # the torch runtime has no prompt cache: every prompt is prefilled
+
     def __init__(self, model, vocab_size: int, max_length: int | None = None, pool: TorchPool | None = None):
         self.model, self.pool = model, pool
         self.vocab_size = vocab_size
@@ -274,7 +276,7 @@ class TorchRuntime(Runtime):
     def check_rollback(self, model) -> None:
         check_rollback_supported(model)
 
-    def pool(self, model, sequences=1, max_length=None) -> TorchPool:
+    def pool(self, model, sequences=1, max_length=None, prompt_cache=None) -> TorchPool:
         return TorchPool(model, max_length)
 
     def describe(self, model) -> dict:

@@ -6,7 +6,7 @@ import os
 import sys
 
 from specdec.generator import DEFAULT_MAX_BATCH
-from specdec.options import add_generation_args, generator_from_args
+from specdec.options import add_generation_args, add_prompt_cache_arg, generator_from_args
 from specdec.server.app import create_app
 from specdec.server.limits import CTX_STEP, MEMORY_SHARE
 from specdec.server.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_REQUEST_TIMEOUT_S
@@ -36,6 +36,7 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="SECONDS",
                         help="a request still queued or generating after this long ends with 504 (streamed: an "
                              "error event) and leaves the batch (default: %(default)g)")
+    add_prompt_cache_arg(parser)
     parser.add_argument("--model-name", default=None,
                         help="the `model` clients send (default: the --target value)")
     parser.set_defaults(func=run_serve)
@@ -50,7 +51,7 @@ def run_serve(args) -> int:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
-    generator = generator_from_args(args)  # loaded once, shared by every request
+    generator = generator_from_args(args, args.prompt_cache_mb)  # loaded once, shared by every request
     app = create_app(generator, args.model_name or args.target, args.api_key, args.max_queue, args.max_batch,
                      ctx_size=args.ctx_size, request_timeout=args.request_timeout)
     service = app.state.service

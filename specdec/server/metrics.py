@@ -1,5 +1,6 @@
 """The server's Prometheus metrics: requests, latency and time to first token by endpoint, tokens, speculation
-counts (mean accepted length and acceptance rate as specdec.metrics defines them), queue depth and batch occupancy."""
+counts (mean accepted length and acceptance rate as specdec.metrics defines them), queue depth, batch occupancy and
+the prompt cache (hits, tokens reused, what it holds)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from specdec.metrics import SpecStats
+    from specdec.prompt_cache import PromptCache
 
 
 class Metrics:
     """Prometheus metrics of one app, in its own registry (several apps may live in one process, as in the tests)."""
 
-    def __init__(self, queue_depth: Callable[[], int], occupancy: Callable[[], int]):
+    def __init__(self, queue_depth: Callable[[], int], occupancy: Callable[[], int],
+                 prompt_cache: PromptCache | None = None):
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=registry)
@@ -38,12 +41,27 @@ class Metrics:
               registry=registry).set_function(queue_depth)
         Gauge("specdec_batch_occupancy", "Requests in the batch being decoded now",
               registry=registry).set_function(occupancy)
+        self.cache_hits = Counter("specdec_prompt_cache_hits", "Generations whose prompt reused cached blocks",
+                                  registry=registry)
+        self.cached_tokens = Counter("specdec_prompt_cache_tokens_reused",
+                                     "Prompt tokens of finished generations taken from the prompt cache, not prefilled",
+                                     registry=registry)
+        cache = (lambda: prompt_cache.stats) if prompt_cache is not None else None
+        for name, what, read in (("bytes", "Bytes of KV cache the prompt cache holds", lambda s: s.bytes),
+                                 ("blocks", "Prompt blocks the prompt cache holds", lambda s: s.blocks),
+                                 ("budget_bytes", "The prompt cache's budget (--prompt-cache-mb)",
+                                  lambda s: s.budget_bytes),
+                                 ("evictions", "Blocks evicted from the prompt cache so far", lambda s: s.evictions)):
+            Gauge(f"specdec_prompt_cache_{name}", what, registry=registry).set_function(
+                (lambda read=read: read(cache())) if cache is not None else (lambda: 0))
         self.request_acceptance = Histogram("specdec_request_acceptance_rate",
                                             "Per request: accepted / drafted tokens (requests that drafted)",
                                             registry=registry, buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1))
 
     def observe_generation(self, prompt_tokens: int, stats: SpecStats) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(stats.cached_prompt_tokens)
+        self.cache_hits.inc(stats.cached_prompt_tokens > 0)
         self.completion_tokens.inc(stats.new_tokens)
         self.drafted.inc(stats.drafted_tokens)
         self.accepted.inc(stats.accepted_tokens)

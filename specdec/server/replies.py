@@ -46,7 +46,8 @@ class Reply:
 
     def usage(self, stats: SpecStats) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": stats.new_tokens,
-                "total_tokens": self.prompt_tokens + stats.new_tokens}
+                "total_tokens": self.prompt_tokens + stats.new_tokens,
+                "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}
 
     def whole(self, text: str, token_ids: list[int], last: Chunk) -> dict:
         if self.chat:

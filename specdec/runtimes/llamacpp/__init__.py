@@ -6,7 +6,8 @@ sampling and verification stay in specdec's own code, so exactness is decided in
 library.py      loading llama.cpp (llama-cpp-python), once
 model.py        LlamaCppModel: the weights, their calibrations, their slot pools
 context.py      contexts (KV caches), one pass (evaluate), SlotPool: the sequence slots of one context
-runner.py       LlamaCppRunner: one sequence in a slot
+runner.py       LlamaCppRunner: one sequence in a slot; its prompt prefilled through the prompt cache
+kv_blocks.py    a sequence's KV cache cut into the prompt cache's blocks, and put back together
 kernels.py      the kernel plan: which CPU kernels take passes of each width, chosen on this machine
 calibration.py  what is measured once per model file and machine: pass costs, exact widths, batch shapes
 layouts.py      which weight layout (plain or repacked) runs faster on this CPU
@@ -24,14 +25,14 @@ from specdec.runtimes.llamacpp.calibration import (CALIBRATION_CONTEXTS, CALIBRA
                                                    batch_mixes, measure_batch_width, measure_exact_widths,
                                                    measure_pass_costs, one_token_logits, private_runner,
                                                    probe_tokens)
-from specdec.runtimes.llamacpp.context import BATCH, DEFAULT_KV_CACHE, KV_CACHE_TYPES, SlotPool
+from specdec.runtimes.llamacpp.context import BATCH, DEFAULT_KV_CACHE, KV_CACHE_TYPES, PREFILL_BLOCK, SlotPool
 from specdec.runtimes.llamacpp.layouts import choose_layouts
 from specdec.runtimes.llamacpp.library import PIN, LlamaCppUnavailable, installed
 from specdec.runtimes.llamacpp.model import LlamaCppModel
 from specdec.runtimes.llamacpp.runner import PREFILL_MIN_TOKENS, LlamaCppRunner
 
 __all__ = ["BATCH", "CALIBRATION_CONTEXTS", "CALIBRATION_WIDTHS", "DEFAULT_KV_CACHE", "DEFAULT_SLOT_TOKENS",
-           "KV_CACHE_TYPES", "LLAMA_CPP", "PIN", "PREFILL_MIN_TOKENS", "LlamaCppModel", "LlamaCppRunner",
+           "KV_CACHE_TYPES", "LLAMA_CPP", "PIN", "PREFILL_BLOCK", "PREFILL_MIN_TOKENS", "LlamaCppModel", "LlamaCppRunner",
            "LlamaCppRuntime", "LlamaCppUnavailable", "SlotPool", "batch_mixes", "choose_layouts", "installed", "load",
            "measure_batch_width", "measure_exact_widths", "measure_pass_costs", "one_token_logits",
            "private_runner", "probe_tokens"]
@@ -68,6 +69,7 @@ class LlamaCppRuntime(Runtime):
              "llama-generate": "llama-cpp-python's own generation loop",
              "llama-lookup": "llama-cpp-python's prompt-lookup speculation"}
     baseline_peer = "llama-generate"
+    caches_prompts = True
 
     def installed(self) -> bool:
         return installed()
@@ -106,8 +108,8 @@ class LlamaCppRuntime(Runtime):
     def prepare_as_target(self, model) -> None:
         model.prepare_as_target()
 
-    def pool(self, model, sequences=1, max_length=None):
-        return model.pool(sequences, max_length)
+    def pool(self, model, sequences=1, max_length=None, prompt_cache=None):
+        return model.pool(sequences, max_length, prompt_cache)
 
     def costs(self, model) -> PassCosts:
         return model.costs
@@ -117,6 +119,7 @@ class LlamaCppRuntime(Runtime):
 
     def kernel_plan(self, model) -> str:
         return model.kernel_plan.describe()
+
 
     def describe(self, model) -> dict:
         return {"class": type(model).__name__, "file": str(model.path), "file_bytes": model.path.stat().st_size,

@@ -18,11 +18,17 @@ import torch
 from specdec.runtimes.llamacpp.library import library
 
 if TYPE_CHECKING:
+    from specdec.prompt_cache import PromptCache
     from specdec.runtimes.llamacpp.model import LlamaCppModel
     from specdec.runtimes.llamacpp.runner import LlamaCppRunner
 
 INITIAL_CONTEXT = 2048  # tokens a pool of one allocates up front; it grows by doubling
 BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several), as llama-cpp-python's default n_batch
+# A prompt is prefilled in chunks along the boundaries 0, PREFILL_BLOCK, 2 * PREFILL_BLOCK, ... of its positions, the
+# prompt cache's blocks (specdec.prompt_cache): cached or not, a prompt's cache entries are then computed in the same
+# passes. Smaller blocks reuse more of a conversation's history; each chunk streams the weights once more
+# (BENCHMARKS.md, "Prompt cache").
+PREFILL_BLOCK = 256
 
 # KV cache element types (ggml_type). ggml's flash attention over an f16 or f32 cache of 512+ cells splits a one-token
 # pass across threads and merges partial softmaxes, while wider passes run each row in one sequential sweep, so past
@@ -74,7 +80,7 @@ class Context:
         size = self.lib.llama_state_seq_get_size(self.ctx, seq)
         buffer = (ctypes.c_uint8 * size)()
         written = self.lib.llama_state_seq_get_data(self.ctx, buffer, size, seq)
-        return bytes(buffer[:written])
+        return ctypes.string_at(buffer, written)
 
     def load_state(self, state: bytes, seq: int = 0) -> None:
         """Make sequence seq (empty) hold the KV cache that save_state gave."""
@@ -90,6 +96,19 @@ class Context:
 def _free_context(lib, ctx, batch) -> None:
     lib.llama_batch_free(batch)
     lib.llama_free(ctx)
+
+
+def evaluate_prompt(model: LlamaCppModel, context: Context, seq: int, tokens: list[int], wanted: list[bool],
+                    start: int = 0) -> list[np.ndarray]:
+    """A new sequence's tokens from position `start` (0, or a block boundary up to which its cache holds them
+    already), in passes along the block boundaries -> the wanted rows of those tokens."""
+    if start % PREFILL_BLOCK:
+        raise ValueError(f"a prompt resumes at a block boundary (a multiple of {PREFILL_BLOCK}), not at {start}")
+    rows = []
+    for begin in range(start, len(tokens), PREFILL_BLOCK):
+        end = min(begin + PREFILL_BLOCK, len(tokens))
+        rows += evaluate(model, context, [(seq, i, tokens[i], wanted[i]) for i in range(begin, end)])
+    return rows
 
 
 def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
@@ -120,7 +139,8 @@ class SlotPool:
     sequences > 1: that many sequences of max_length tokens each, allocated up front. sequences == 1: a context that
     grows with its sequence up to max_length; with takeover, taking its slot while a runner holds it hands the slot
     over (the old runner then refuses to run rather than read a cache that is no longer its own): what a model's
-    generate() does when an earlier stream was left unfinished.
+    generate() does when an earlier stream was left unfinished. Its sequences prefill their prompts through
+    prompt_cache where one is set (LlamaCppModel.pool sets the requests' cache; a calibration's pools have none).
     """
 
     def __init__(self, model: LlamaCppModel, sequences: int = 1, max_length: int | None = None,
@@ -128,6 +148,7 @@ class SlotPool:
         if sequences < 1:
             raise ValueError(f"a pool holds at least one sequence, got {sequences}")
         self.model, self.sequences, self.takeover = model, sequences, takeover
+        self.prompt_cache: PromptCache | None = None
         self.max_length = min(max_length or model.max_length, model.max_length)
         size = self.max_length if sequences > 1 else min(INITIAL_CONTEXT, self.max_length)
         self.context = Context(model, size, n_seq=sequences)

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec.prompt_cache import PromptCache
 from specdec.runtimes.base import PassCosts
-from specdec.runtimes.llamacpp import calibration
-from specdec.runtimes.llamacpp.context import (BATCH, DEFAULT_KV_CACHE, INITIAL_CONTEXT, KV_CACHE_BYTES,
-                                               KV_CACHE_TYPES, Context, SlotPool, evaluate)
+from specdec.runtimes.llamacpp import calibration, kv_blocks
+from specdec.runtimes.llamacpp.context import (DEFAULT_KV_CACHE, INITIAL_CONTEXT, KV_CACHE_BYTES, KV_CACHE_TYPES,
+                                               Context, SlotPool, evaluate_prompt)
 from specdec.runtimes.llamacpp.kernels import LLAMA_CPP as LLAMA_CPP_KERNELS
 from specdec.runtimes.llamacpp.kernels import KernelPlan
 from specdec.runtimes.llamacpp.layouts import choose_layouts
@@ -71,6 +72,8 @@ class LlamaCppModel:
             self.handle) * head_dim * KV_CACHE_BYTES[kv_cache])
         self._measured: dict[str, dict] = {}
         self._kernel_plan: KernelPlan | None = None
+        # How its sequence states lay out their rows, for the prompt cache's blocks (kv_blocks.split learns it)
+        self.kv_format: kv_blocks.StateFormat | None = None
         self.prefill_model = None if prefill_repack is None else LlamaCppModel(
             self.path, self.threads, kv_cache, repack=prefill_repack, prefill_repack=None)
         if self.prefill_model is not None:  # its passes are prompts (a last piece of one can be short): as released
@@ -177,9 +180,11 @@ class LlamaCppModel:
 
     # ---- sequences
 
-    def pool(self, sequences: int = 1, max_length: int | None = None) -> SlotPool:
+    def pool(self, sequences: int = 1, max_length: int | None = None, prompt_cache: PromptCache | None = None
+             ) -> SlotPool:
         """The model's pool for `sequences` sequences of up to max_length tokens (default: the trained context for a
-        pool of one, calibration.DEFAULT_SLOT_TOKENS each for several).
+        pool of one, calibration.DEFAULT_SLOT_TOKENS each for several), whose sequences prefill their prompts through
+        prompt_cache (None: none) from now on.
 
         A pool of one (what generate() decodes in) grows with its sequence and hands its slot over when asked while
         held. A pool of several (a batch) is made once and kept while it is in use; an idle one of another shape is
@@ -190,6 +195,7 @@ class LlamaCppModel:
         length = min(max_length or default, self.max_length)
         pool = self._pools.get(kind)
         if pool is not None and pool.context.alive and (pool.sequences, pool.max_length) == (sequences, length):
+            pool.prompt_cache = prompt_cache
             return pool
         if pool is not None and kind == "batch" and not pool.idle:
             raise RuntimeError(f"the model's batch of {pool.sequences} sequences is in use: it cannot be made again "
@@ -197,13 +203,16 @@ class LlamaCppModel:
         if pool is not None:
             pool.close()
         self._pools[kind] = SlotPool(self, sequences, length, takeover=sequences == 1)
+        self._pools[kind].prompt_cache = prompt_cache
         return self._pools[kind]
 
-    def prefill(self, tokens: list[int], wanted: list[bool], n_seq: int = 1, seq: int = 0
-                ) -> tuple[list[np.ndarray], bytes]:
+    def prefill(self, tokens: list[int], wanted: list[bool], n_seq: int = 1, seq: int = 0, cached: bytes | None = None,
+                start: int = 0) -> tuple[list[np.ndarray], bytes]:
         """Evaluate a new sequence's first tokens as sequence `seq` of a context of n_seq sequences (the shape of the
-        context the sequence continues in: llama.cpp restores a sequence only into one of the same shape) -> (the
-        wanted logits rows, the sequence's KV cache, for another model of these weights to load: load_state)."""
+        context the sequence continues in: llama.cpp restores a sequence only into one of the same shape), from
+        position `start` on where `cached` holds the cache of the tokens before it (a state from the prompt cache)
+        -> (the wanted logits rows of the tokens from start on, the sequence's KV cache, for another model of these
+        weights to load: load_state)."""
         context = self._prefill_context[0]
         if context is None or not context.alive or context.n_seq != n_seq or context.size < len(tokens):
             if context is not None:
@@ -211,10 +220,9 @@ class LlamaCppModel:
             size = max(256, 1 << (len(tokens) - 1).bit_length())  # a power of two: few reallocations
             context = self._prefill_context[0] = Context(self, size, n_seq=n_seq)
         context.clear()
-        rows = []
-        for start in range(0, len(tokens), BATCH):
-            rows += evaluate(self, context, [(seq, start + i, token, want) for i, (token, want) in enumerate(
-                zip(tokens[start:start + BATCH], wanted[start:start + BATCH]))])
+        if cached is not None:
+            context.load_state(cached, seq)
+        rows = evaluate_prompt(self, context, seq, tokens, wanted, start)
         state = context.save_state(seq)
         if context.size * n_seq > 2 * INITIAL_CONTEXT:  # a long prompt's cache is not kept around
             context.free()

