@@ -128,6 +128,7 @@ COMMANDS = {
     "bench": bench.add_bench_parser,
     "load": bench.add_load_parser,
     "bench-servers": bench.add_bench_servers_parser,
+    "bench-conversation": bench.add_bench_conversation_parser,
     "kernels": bench.add_kernels_parser,
 }
 

@@ -347,6 +347,68 @@ def serve(app):
         sock.close()
 
 
+# --- the prompt cache: conversations, prefills through a cache, a cache filled the wrong way -------------------------
+
+def conversation_prompts(tokenizer, turns: int) -> list[list[int]]:
+    """The prompts of a conversation's turns: each one the last plus an answer and a new question (the answers are
+    fixed text here: what matters is that each prompt extends the one before by a few hundred tokens)."""
+    text = "You are a helpful assistant who answers questions about programming in Python. " * 12
+    prompts = []
+    for turn in range(turns):
+        text += f"\nQuestion {turn}: how do I sort a list of {turn + 2} dictionaries by the key 'age{turn}'?\n"
+        prompts.append(tokenizer(text)["input_ids"])
+        text += f"Answer {turn}: use sorted(items, key=lambda d: d['age{turn}']) " * (8 + 3 * turn)
+    return prompts
+
+
+def prefill_through(model, tokens: list[int], cache) -> tuple[torch.Tensor, int]:
+    """The last token's logits of a prompt prefilled in a new sequence of a llama.cpp model's pool of one, through a
+    prompt cache (None: none) -> (logits [vocab], tokens taken from the cache)."""
+    runner = model.pool(1, None, cache).take(model.n_vocab)
+    try:
+        return runner.forward(torch.tensor([tokens]), last_only=True)[0, -1], runner.prompt_tokens_reused
+    finally:
+        runner.close()
+
+
+@contextlib.contextmanager
+def one_token_at_a_time_prefills(monkeypatch):
+    """Within: llama.cpp prompts are prefilled one token per pass, as decoding writes an answer's cache entries (what
+    a cache that reused decode-computed entries would hand to later prompts)."""
+    from specdec.runtimes.llamacpp import context, model as model_module, runner as runner_module
+
+    def one_token_at_a_time(model, ctx, seq, tokens, wanted, start=0):
+        return [row for i in range(start, len(tokens))
+                for row in context.evaluate(model, ctx, [(seq, i, tokens[i], wanted[i])])]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner_module, "evaluate_prompt", one_token_at_a_time)
+        patch.setattr(model_module, "evaluate_prompt", one_token_at_a_time)
+        yield
+
+
+def chat(client, messages: list[dict], settings: dict, max_tokens: int = 12) -> dict:
+    """One chat completion through the OpenAI client -> its token ids, text and cached prompt tokens."""
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                           extra_body={"return_token_ids": True}, **settings)
+    return {"token_ids": reply.choices[0].model_extra["token_ids"], "text": reply.choices[0].message.content,
+            "cached": reply.usage.prompt_tokens_details.cached_tokens}
+
+
+def conversation_requests(client, opening: str, turns: int, settings: dict, max_tokens: int = 12
+                          ) -> list[tuple[list[dict], dict]]:
+    """A conversation of `turns` turns, each answer in the next turn's history -> (each request's messages, its
+    answer)."""
+    messages, sent = [{"role": "system", "content": opening}], []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Turn {turn}: what should I do next with file_{turn}.py?"})
+        answer = chat(client, list(messages), settings, max_tokens)
+        sent.append((list(messages), answer))
+        messages.append({"role": "assistant", "content": answer["text"]})
+    return sent
+
+
 def draft_with(model):
     """A draft-model drafter over a tiny torch model, each request in a runner of its own."""
     from specdec.runtimes.pytorch import TorchRunner

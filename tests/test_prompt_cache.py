@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import require
+from conftest import chat, conversation_prompts, conversation_requests, prefill_through, require, serve
 from specdec import SpeculativeGenerator, registry
 from specdec.prompt_cache import PromptCache
 from specdec.runtimes import llamacpp
@@ -101,62 +101,18 @@ def smollm():
     return llamacpp.load(str(registry.gguf_file(SMOLLM, progress=False)), threads=1)
 
 
-def conversation(tokenizer, turns: int) -> list[list[int]]:
-    """The prompts of a conversation's turns: each one the last plus an answer and a new question (the answers are
-    fixed text here: what matters is that each prompt extends the one before by a few hundred tokens)."""
-    text = "You are a helpful assistant who answers questions about programming in Python. " * 12
-    prompts = []
-    for turn in range(turns):
-        text += f"\nQuestion {turn}: how do I sort a list of {turn + 2} dictionaries by the key 'age{turn}'?\n"
-        prompts.append(tokenizer(text)["input_ids"])
-        text += f"Answer {turn}: use sorted(items, key=lambda d: d['age{turn}']) " * (8 + 3 * turn)
-    return prompts
-
-
-def prefill(model, tokens: list[int], cache: PromptCache | None) -> tuple[torch.Tensor, int]:
-    """The last token's logits of a prompt prefilled in a new sequence of the model's pool of one, through cache ->
-    (logits [vocab], tokens taken from the cache)."""
-    runner = model.pool(1, None, cache).take(model.n_vocab)
-    try:
-        return runner.forward(torch.tensor([tokens]), last_only=True)[0, -1], runner.prompt_tokens_reused
-    finally:
-        runner.close()
-
-
 def test_a_hit_prefills_the_logits_of_a_cold_prefill_bit_for_bit(smollm):
     model, tokenizer = smollm
-    prompts = conversation(tokenizer, 5)
+    prompts = conversation_prompts(tokenizer, 5)
     assert len(prompts[-1]) > 3 * llamacpp.PREFILL_BLOCK  # several blocks, and prompts across their boundaries
     cache = PromptCache(256 * 2**20)
     for tokens in prompts:
-        warm, reused = prefill(model, tokens, cache)
-        cold, none = prefill(model, tokens, None)
+        warm, reused = prefill_through(model, tokens, cache)
+        cold, none = prefill_through(model, tokens, None)
         assert none == 0 and torch.equal(warm, cold)
         assert reused == (len(prompts[prompts.index(tokens) - 1]) // llamacpp.PREFILL_BLOCK * llamacpp.PREFILL_BLOCK
                           if tokens is not prompts[0] else 0)
     assert cache.stats.hits == sum(len(earlier) >= llamacpp.PREFILL_BLOCK for earlier in prompts[:-1]) >= 3
-
-
-def test_negative_control_a_cache_filled_by_passes_of_another_shape_is_caught(smollm, monkeypatch):
-    """What the first test would see of a cache that reused KV from passes of other shapes (an answer's decode passes):
-    the blocks here are computed one token at a time, and the hit's logits differ from the cold ones."""
-    from specdec.runtimes.llamacpp import context, model as model_module, runner as runner_module
-
-    model, tokenizer = smollm
-    first, second = conversation(tokenizer, 3)[1:]
-    cache = PromptCache(256 * 2**20)
-
-    def one_token_at_a_time(model, ctx, seq, tokens, wanted, start=0):
-        return [row for i in range(start, len(tokens))
-                for row in context.evaluate(model, ctx, [(seq, i, tokens[i], wanted[i])])]
-
-    with monkeypatch.context() as patch:
-        patch.setattr(runner_module, "evaluate_prompt", one_token_at_a_time)
-        patch.setattr(model_module, "evaluate_prompt", one_token_at_a_time)
-        prefill(model, first, cache)
-    warm, reused = prefill(model, second, cache)
-    assert reused > 0
-    assert not torch.equal(warm, prefill(model, second, None)[0])
 
 
 def test_answers_with_hits_equal_answers_without_the_cache_greedy_and_seeded(smollm):
@@ -164,13 +120,13 @@ def test_answers_with_hits_equal_answers_without_the_cache_greedy_and_seeded(smo
     cached = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=64)
     cold = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=0)
     assert cached.prompt_cache is not None and cold.prompt_cache is None
-    for tokens in conversation(tokenizer, 3):
+    for tokens in conversation_prompts(tokenizer, 3):
         for settings in ({}, {"temperature": 0.8, "seed": 3}):
             warm = cached.generate(tokens, max_new_tokens=12, **settings)
             assert warm.token_ids == cold.generate(tokens, max_new_tokens=12, **settings).token_ids
     assert warm.stats.cached_prompt_tokens > 0 and warm.stats.to_dict()["cached_prompt_tokens"] > 0
-    many = cached.generate_many(conversation(tokenizer, 3), max_new_tokens=8)
-    assert [r.token_ids for r in many] == [r.token_ids for r in cold.generate_many(conversation(tokenizer, 3),
+    many = cached.generate_many(conversation_prompts(tokenizer, 3), max_new_tokens=8)
+    assert [r.token_ids for r in many] == [r.token_ids for r in cold.generate_many(conversation_prompts(tokenizer, 3),
                                                                                    max_new_tokens=8)]
 
 
@@ -178,7 +134,7 @@ def test_a_prefill_that_fails_half_way_caches_nothing_and_leaves_the_pool_usable
     from specdec.runtimes.llamacpp import context
 
     model, tokenizer = smollm
-    tokens = conversation(tokenizer, 5)[-1]
+    tokens = conversation_prompts(tokenizer, 5)[-1]
     cache = PromptCache(256 * 2**20)
     real, calls = context.evaluate, []
 
@@ -191,10 +147,10 @@ def test_a_prefill_that_fails_half_way_caches_nothing_and_leaves_the_pool_usable
     with monkeypatch.context() as patch:
         patch.setattr(context, "evaluate", fails_in_the_second_pass)
         with pytest.raises(KeyboardInterrupt):
-            prefill(model, tokens, cache)
+            prefill_through(model, tokens, cache)
     assert len(calls) == 2 and cache.stats.blocks == 0 and cache.stats.bytes == 0
-    warm, reused = prefill(model, tokens, cache)
-    assert reused == 0 and torch.equal(warm, prefill(model, tokens, None)[0])
+    warm, reused = prefill_through(model, tokens, cache)
+    assert reused == 0 and torch.equal(warm, prefill_through(model, tokens, None)[0])
     assert cache.stats.blocks == len(tokens) // llamacpp.PREFILL_BLOCK
 
 
@@ -203,7 +159,7 @@ def test_a_state_cut_into_blocks_and_joined_restores_the_sequence(smollm):
     from specdec.runtimes.llamacpp.context import SlotPool
 
     model, tokenizer = smollm
-    tokens = conversation(tokenizer, 5)[-1][:2 * llamacpp.PREFILL_BLOCK + 10]
+    tokens = conversation_prompts(tokenizer, 5)[-1][:2 * llamacpp.PREFILL_BLOCK + 10]
     slots = SlotPool(model, 3, 1024)
     source, target = slots.take(model.n_vocab), slots.take(model.n_vocab)
     source.forward(torch.tensor([tokens]), last_only=True)
@@ -216,3 +172,92 @@ def test_a_state_cut_into_blocks_and_joined_restores_the_sequence(smollm):
     source.rollback(2 * llamacpp.PREFILL_BLOCK)
     rest = torch.tensor([tokens[2 * llamacpp.PREFILL_BLOCK:]])
     assert torch.equal(target.forward(rest), source.forward(rest))
+
+
+# --- through the server, with the official client ------------------------------------------------------------------
+
+INSTRUCTIONS = ("You are an agent that edits a Python repository. Think before each tool call, call one tool at a "
+                "time, and report what the tool returned. The tools are read_file(path), write_file(path, text), "
+                "run_tests(), and search(pattern). " * 18)
+
+
+def agent_requests(client, steps: int, settings: dict) -> list[tuple[list[dict], dict]]:
+    """The same long instructions every step, and a different short tool output after them."""
+    sent = []
+    for step in range(steps):
+        messages = [{"role": "system", "content": INSTRUCTIONS},
+                    {"role": "user", "content": f"Step {step}: run_tests() returned {step + 3} failures in test_{step}."}]
+        sent.append((messages, chat(client, messages, settings)))
+    return sent
+
+
+def replayed_on_a_server_without_the_cache(model, tokenizer, sent, settings) -> list[list[int]]:
+    """Each request of `sent` again, on a new server over the same model with no prompt cache -> its answers."""
+    import openai
+
+    from specdec.server.app import create_app
+
+    gen = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=0)
+    with serve(create_app(gen, "smollm")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        answers = [chat(client, messages, settings) for messages, _ in sent]
+    assert all(answer["cached"] == 0 for answer in answers)  # a budget of 0 reuses nothing
+    return [answer["token_ids"] for answer in answers]
+
+
+SETTINGS = {"greedy": {"temperature": 0}, "seeded": {"temperature": 0.9, "seed": 11}}
+
+
+@pytest.mark.parametrize("sampling", SETTINGS)
+def test_a_conversation_and_an_agent_loop_answer_as_a_server_without_the_cache_does(smollm, sampling):
+    import httpx
+    import openai
+
+    from specdec.server.app import create_app
+
+    model, tokenizer = smollm
+    settings = SETTINGS[sampling]
+    gen = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=64)
+    with serve(create_app(gen, "smollm")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        sent = conversation_requests(client, INSTRUCTIONS[:1200], 5, settings) + agent_requests(client, 4, settings)
+        metrics = httpx.get(f"{url}/metrics").text
+    assert sum(answer["cached"] > 0 for _, answer in sent) >= 6  # turns 2-5 and agent steps 2-4 reuse blocks
+    assert "specdec_prompt_cache_hits_total" in metrics and "specdec_prompt_cache_bytes" in metrics
+    hits = next(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith("specdec_prompt_cache_hits_total"))
+    assert hits == sum(answer["cached"] > 0 for _, answer in sent)
+    cold = replayed_on_a_server_without_the_cache(model, tokenizer, sent, settings)
+    assert [answer["token_ids"] for _, answer in sent] == cold
+
+
+def test_eight_concurrent_conversations_over_a_budget_that_evicts_answer_as_without_the_cache(smollm):
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specdec.server.app import create_app
+
+    model, tokenizer = smollm
+    block_bytes = llamacpp.PREFILL_BLOCK * model.kv_bytes_per_token
+    gen = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=6 * block_bytes / 2**20)
+    openings = [f"Conversation {i}. " + INSTRUCTIONS[i * 40:i * 40 + 1000] for i in range(8)]
+    with serve(create_app(gen, "smollm", max_batch=8)) as url, ThreadPoolExecutor(8) as pool:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        sent = [request for conversation in pool.map(
+            lambda opening: conversation_requests(client, opening, 3, SETTINGS["greedy"]), openings)
+            for request in conversation]
+    assert gen.prompt_cache.stats.evictions > 0 and gen.prompt_cache.stats.bytes <= 6 * block_bytes
+    cold = replayed_on_a_server_without_the_cache(model, tokenizer, sent, SETTINGS["greedy"])
+    assert [answer["token_ids"] for _, answer in sent] == cold
+
+
+def test_a_prompt_beyond_the_budget_caches_the_blocks_that_fit_and_still_prefills_exactly(smollm):
+    model, tokenizer = smollm
+    tokens = conversation_prompts(tokenizer, 5)[-1]
+    block_bytes = llamacpp.PREFILL_BLOCK * model.kv_bytes_per_token
+    cache = PromptCache(int(1.5 * block_bytes) + 1024)  # one block of the prompt's four fits
+    cold, _ = prefill_through(model, tokens, None)
+    assert torch.equal(prefill_through(model, tokens, cache)[0], cold)
+    assert cache.stats.blocks == 1 and cache.stats.bytes <= cache.budget_bytes
+    warm, reused = prefill_through(model, tokens, cache)
+    assert reused == llamacpp.PREFILL_BLOCK and torch.equal(warm, cold)

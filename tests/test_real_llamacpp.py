@@ -12,7 +12,8 @@ import torch
 
 from specdec import SpeculativeGenerator, registry
 from specdec.runtimes import LLAMA_CPP, llamacpp, runtime_of
-from conftest import human_eval_prompts
+from conftest import (chat, conversation_prompts, conversation_requests, human_eval_prompts,
+                      one_token_at_a_time_prefills, prefill_through, serve)
 
 pytestmark = pytest.mark.real_model
 
@@ -380,3 +381,51 @@ def test_negative_control_the_load_comparison_catches_a_batch_that_flips_near_ti
                             references=concurrent_references)
     (row,) = results["rows"]
     assert row["failed"] == 0 and row["identical"] < row["requests"]
+
+
+# --- the prompt cache on the default target: Q4_K/Q6_K kernels, whose passes of other shapes do round differently --
+
+def test_prompt_cache_hits_prefill_cold_logits_and_blocks_from_decode_passes_are_caught(pair, monkeypatch):
+    """A hit's logits equal a cold prefill's bit for bit; negative control: a cache whose blocks were computed one
+    token per pass (as decoding computes an answer's entries, which llama-server's cache reuses) gives other logits,
+    so the comparison would catch a cache that reused them."""
+    from specdec.prompt_cache import PromptCache
+
+    speculative, _ = pair
+    model, tokenizer = speculative.target, speculative.tokenizer
+    first, second = conversation_prompts(tokenizer, 3)[1:]
+    good, decoded = PromptCache(2**28), PromptCache(2**28)
+    prefill_through(model, first, good)
+    with one_token_at_a_time_prefills(monkeypatch):
+        prefill_through(model, first, decoded)
+    cold, _ = prefill_through(model, second, None)
+    warm, reused = prefill_through(model, second, good)
+    assert reused >= llamacpp.PREFILL_BLOCK and torch.equal(warm, cold)
+    wrong, reused = prefill_through(model, second, decoded)
+    assert reused >= llamacpp.PREFILL_BLOCK and not torch.equal(wrong, cold)
+
+
+def test_a_five_turn_conversation_through_the_server_answers_as_a_server_without_the_cache(pair):
+    """The default pair and drafter, greedy, the OpenAI client: each turn's answer in the next turn's history; the
+    same requests on a server with no prompt cache give the same answers, token for token."""
+    import openai
+
+    from specdec.server.app import create_app
+
+    speculative, _ = pair
+    opening = ("You review Python code for a team. Be brief and concrete, and quote the lines you discuss. "
+               + human_eval_prompts(3)[2]) * 2
+    answers = {}
+    for budget in (1024, 0):
+        gen = SpeculativeGenerator(speculative.target, speculative.drafter, tokenizer=speculative.tokenizer,
+                                   prompt_cache=budget)
+        with serve(create_app(gen, "default")) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+            if budget:
+                sent = conversation_requests(client, opening, 5, {"temperature": 0}, max_tokens=24)
+                answers[budget] = [answer for _, answer in sent]
+            else:  # the very requests the cached server answered
+                answers[budget] = [chat(client, messages, {"temperature": 0}, 24) for messages, _ in sent]
+    assert sum(answer["cached"] > 0 for answer in answers[1024]) >= 4
+    assert all(answer["cached"] == 0 for answer in answers[0])
+    assert [a["token_ids"] for a in answers[1024]] == [a["token_ids"] for a in answers[0]]

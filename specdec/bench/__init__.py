@@ -13,8 +13,9 @@ torch_exactness.py  `python -m specdec.bench.torch_exactness`: which verify widt
 """
 
 from specdec.bench.command import add_bench_parser
+from specdec.bench.conversation import add_bench_conversation_parser
 from specdec.bench.kernels import add_kernels_parser
 from specdec.bench.load import add_load_parser
 from specdec.bench.servers import add_bench_servers_parser
 
-__all__ = ["add_bench_parser", "add_bench_servers_parser", "add_kernels_parser", "add_load_parser"]
+__all__ = ["add_bench_conversation_parser", "add_bench_parser", "add_bench_servers_parser", "add_kernels_parser", "add_load_parser"]

@@ -220,13 +220,15 @@ def schedule(prompts: list[dict], servers: list[str], rounds: int) -> list[tuple
     return turns
 
 
-def ask(client, model: str, prompt: str, max_tokens: int, token_ids: bool) -> dict:
-    """One greedy chat completion, streamed -> the measured record: wall time from sending to the whole answer
-    (prefill included), time to the first token, and the decode rate after it (the tokens after the first over the
-    time after it), which is what per-token overhead shows in."""
+def ask(client, model: str, prompt: str | list[dict], max_tokens: int, token_ids: bool) -> dict:
+    """One greedy chat completion of a user message (or of chat messages), streamed -> the measured record: wall time
+    from sending to the whole answer (prefill included), time to the first token, the decode rate after it (the
+    tokens after the first over the time after it), which is what per-token overhead shows in, and the prompt tokens
+    the server took from its prompt cache, where it says."""
     started = time.perf_counter()
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        model=model, messages=messages, max_tokens=max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True},
         extra_body={"return_token_ids": True} if token_ids else None)
     texts, ids, first_s, finish, usage, stats = [], [], None, None, None, None
@@ -243,11 +245,14 @@ def ask(client, model: str, prompt: str, max_tokens: int, token_ids: bool) -> di
             finish = choice.finish_reason or finish
     wall_s = time.perf_counter() - started
     completion = usage.completion_tokens if usage is not None else None
+    details = getattr(usage, "prompt_tokens_details", None)
+    cached = details.cached_tokens if details is not None else (stats or {}).get("cache_n")  # llama-server: timings
     decode_s = wall_s - first_s if first_s is not None else None
     return {"prompt_tokens": usage.prompt_tokens if usage is not None else None, "completion_tokens": completion,
             "wall_s": wall_s, "tokens_per_s": completion / wall_s if completion else 0.0, "first_token_s": first_s,
             "decode_tokens_per_s": (completion - 1) / decode_s if completion and completion > 1 and decode_s else None,
             "finish_reason": finish, "text": "".join(texts), "token_ids": ids if token_ids else None,
+            "cached_tokens": cached,
             "server_stats": stats}
 
 
