@@ -279,3 +279,31 @@ def test_generate_compares_with_llama_server_through_the_same_client(fake, tmp_p
     rate = servers.llama_server_rate(Path("unused"), "model.gguf", 2, "one two three four five", 4, chat=True,
                                      log=tmp_path / "log")
     assert rate > 0
+
+
+# ---- specdec bench-conversation
+
+def test_bench_conversation_runs_every_turn_on_every_server_and_reports_its_ratios(fake, tmp_path):
+    from specdec.bench import conversation
+    from specdec.bench.runner import machine_info
+
+    fakes = [Server(name, fake_argv(fake, name), token_ids=name != conversation.LLAMA)
+             for name in (conversation.CACHED, conversation.COLD, conversation.LLAMA)]
+    talks = [{"source": f"article {i}", "article": f"Article {i} says many things about caches."} for i in range(2)]
+    results = {"command": "specdec bench-conversation", "machine": machine_info(), "settings": {"max_tokens": 8},
+               "conversations": [t["source"] for t in talks], "servers": {}, "records": []}
+    conversation.run(fakes, talks, {"prompt": "warm up"}, 8, tmp_path, results, startup_timeout=30)
+    turns = len(conversation.QUESTIONS)
+    assert len(results["records"]) == 2 * 3 * turns
+    first = [r for r in results["records"] if r["server"] == conversation.CACHED and r["round"] == 0]
+    assert [r["turn"] for r in first] == list(range(1, turns + 1))
+    # each turn's question is the last message: the fake answers with its first words
+    assert first[1]["text"].split()[1:3] == conversation.QUESTIONS[1].split()[:2]
+    summary = conversation.summarise(results)
+    assert summary["identical_to_no_cache"] == [2 * turns, 2 * turns]
+    assert summary["turn5_first_token_vs_no_cache"] > 0 and summary["conversation_vs_llama_server"] > 0
+    text = conversation.report(results)
+    assert "Turn 5, time to first token" in text and f"**{2 * turns}/{2 * turns}**" in text
+    assert json.loads((tmp_path / "results.json").read_text())["records"]
+    first[2]["token_ids"] = [99]  # one answer that differs is counted
+    assert conversation.summarise(results)["identical_to_no_cache"] == [2 * turns - 1, 2 * turns]

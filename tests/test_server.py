@@ -796,3 +796,28 @@ def test_available_memory_reads_memavailable(tmp_path):
     meminfo.write_text("MemTotal:       16303404 kB\nMemFree:         1045304 kB\nMemAvailable:    9512340 kB\n")
     assert available_memory(meminfo) == 9512340 * 1024
     assert available_memory(tmp_path / "missing") is None
+
+
+def test_suffix_lookup_in_the_server_drafts_from_earlier_requests_and_a_seeded_sample_drafts_as_alone():
+    """Every request's drafter is a fork that shares suffix lookup's history: the second time a prompt comes (to the
+    batched server), its first answer is in the history and drafted in long accepted runs. A seeded sample does not
+    read that history, so it drafts what it would alone and gives the same sample."""
+    gen = SpeculativeGenerator(tiny_model("qwen2", seed=0, vocab_size=60), "suffix", k=8, tokenizer=char_tokenizer())
+    prompt = "abcabd"
+    with serve(create_app(gen, MODEL, max_batch=4)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
+
+        def stats(**settings):
+            reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **settings)
+            return reply.choices[0].text, reply.model_extra["specdec"]
+
+        first_text, first = stats(temperature=0)
+        again_text, again = stats(temperature=0)
+        seeded = [stats(temperature=0.8, seed=5) for _ in range(2)]
+    assert again_text == first_text
+    assert again["accepted_tokens"] > first["accepted_tokens"] and again["cycles"] < first["cycles"]
+    counts = [(text, s["cycles"], s["drafted_tokens"], s["accepted_tokens"]) for text, s in seeded]
+    assert counts[0] == counts[1]  # the second did not draft from the first's answer
+    alone = SpeculativeGenerator(gen.target, "suffix", k=8, tokenizer=gen.tokenizer).generate(
+        prompt, max_new_tokens=24, temperature=0.8, seed=5)
+    assert seeded[0][0] == alone.text

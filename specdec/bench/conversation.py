@@ -15,15 +15,14 @@ import argparse
 import contextlib
 import os
 import shlex
-import signal
 import sys
 import time
 from pathlib import Path
 
 from specdec import registry
-from specdec.bench.servers import (Server, ServerError, ServerProcess, Setup, _describe_binary, _interrupt,
-                                   _llama_cpp_version, _llama_server, _median, _specdec_serve, _table, _version,
-                                   _write, ask, default_llama_server, load_prompts)
+from specdec.bench.servers import (Server, ServerProcess, Setup, _describe_binary, _llama_cpp_version, _llama_server,
+                                   _median, _specdec_serve, _table, _version, _write, ask, default_llama_server,
+                                   load_prompts, measure_and_keep)
 
 SCHEMA = "specdec-bench-conversation/1"
 QUESTIONS = (
@@ -131,6 +130,8 @@ def summarise(results: dict) -> dict:
     cached, cold, llama = (summary["servers"].get(name) for name in (CACHED, COLD, LLAMA))
     if cached and cold:
         summary["turn5_first_token_vs_no_cache"] = cached["first_token_s"][-1] / cold["first_token_s"][-1]
+        # Turn 1 opens with an article no server has seen: a miss, so this is what looking up and caching cost
+        summary["turn1_first_token_vs_no_cache"] = cached["first_token_s"][0] / cold["first_token_s"][0]
         pairs = {(r["round"], r["turn"]): r["token_ids"] for r in records if r["server"] == COLD}
         compared = [r["token_ids"] == pairs[(r["round"], r["turn"])] for r in records
                     if r["server"] == CACHED and (r["round"], r["turn"]) in pairs]
@@ -160,6 +161,8 @@ def report(results: dict) -> str:
         same, total = summary["identical_to_no_cache"]
         lines.append(f"- Turn 5, time to first token with the cache / without: "
                      f"**{summary['turn5_first_token_vs_no_cache']:.2f}x**")
+        lines.append(f"- Turn 1 (a new article: a miss, the cache's lookup and bookkeeping), time to first token "
+                     f"with the cache / without: **{summary['turn1_first_token_vs_no_cache']:.3f}x**")
         lines.append(f"- Answers with the cache identical to those without: **{same}/{total}**")
     if "conversation_vs_llama_server" in summary:
         lines.append(f"- Whole conversation, specdec with the cache / llama-server: "
@@ -182,13 +185,23 @@ def add_bench_conversation_parser(subparsers) -> argparse.ArgumentParser:
                         help="CPU threads of every server (default: every core this process may use)")
     parser.add_argument("--startup-timeout", type=float, default=1800.0,
                         help="seconds a server may take to become ready (default: %(default)s)")
+    parser.add_argument("--report", default=None,
+                        help="re-render report.md beside this results.json, measuring nothing")
     parser.add_argument("--out", default="bench-conversation-results", help="output folder (default: %(default)s)")
     parser.set_defaults(func=run_bench_conversation)
     return parser
 
 
 def run_bench_conversation(args) -> int:
-    from specdec.bench.runner import machine_info, save
+    import json
+
+    from specdec.bench.runner import machine_info
+
+    if args.report:  # re-render the report of a finished run
+        path = Path(args.report)
+        _write(path.with_name("report.md"), report(json.loads(path.read_text())))
+        print(path.with_name("report.md").read_text())
+        return 0
 
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     if min(args.max_tokens, args.rounds, threads) < 1 or args.startup_timeout <= 0:
@@ -207,19 +220,5 @@ def run_bench_conversation(args) -> int:
                "settings": {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": threads,
                             "target": args.target, "draft": args.draft},
                "conversations": [c["source"] for c in conversations], "servers": {}, "records": []}
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        run(servers(setup), conversations, load_prompts()[1], args.max_tokens, out, results, args.startup_timeout)
-    except ServerError as error:
-        print(f"specdec: error: {error}", file=sys.stderr)
-        return 2
-    finally:  # what was measured before an error or Ctrl-C is kept, with its report
-        signal.signal(signal.SIGTERM, previous)
-        results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        results["machine"]["load_average_at_end"] = list(os.getloadavg())
-        if results["records"]:
-            save(results, out / "results.json")
-            _write(out / "report.md", report(results))
-    print((out / "report.md").read_text())
-    print(f"wrote {out}/results.json and {out}/report.md (server logs in {out}/logs)")
-    return 0
+    return measure_and_keep(lambda: run(servers(setup), conversations, load_prompts()[1], args.max_tokens, out,
+                                        results, args.startup_timeout), results, out, report)

@@ -547,7 +547,7 @@ def add_bench_servers_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_bench_servers(args) -> int:
-    from specdec.bench.runner import machine_info, save
+    from specdec.bench.runner import machine_info
 
     if args.report:  # re-render the report of a finished run
         path = Path(args.report)
@@ -580,13 +580,22 @@ def run_bench_servers(args) -> int:
                             "kinds": list(kinds), "prompts": len(prompts), "context": CONTEXT,
                             "target": args.target, "draft": args.draft},
                "servers": {}, "records": []}
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # a `kill` stops the servers too, as Ctrl-C does
+    return measure_and_keep(lambda: run_servers(servers, prompts, warmup, args.max_tokens, args.rounds, out, results,
+                                                args.startup_timeout), results, out, report)
+
+
+def measure_and_keep(measure: Callable[[], object], results: dict, out: Path, report: Callable[[dict], str]) -> int:
+    """Run a benchmark of servers -> the exit code. A `kill` stops it (and so its servers) as Ctrl-C does, and what
+    it measured before an error or an interrupt is saved in out/results.json with its report.md."""
+    from specdec.bench.runner import save
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        run_servers(servers, prompts, warmup, args.max_tokens, args.rounds, out, results, args.startup_timeout)
+        measure()
     except ServerError as error:
         print(f"specdec: error: {error}", file=sys.stderr)
         return 2
-    finally:  # what was measured before an error or Ctrl-C is kept, its report too
+    finally:
         signal.signal(signal.SIGTERM, previous)
         results["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         results["machine"]["load_average_at_end"] = list(os.getloadavg())
