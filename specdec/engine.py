@@ -82,6 +82,7 @@ class Decoding:
             self.pending = target.forward(prompt_ids, last_only=True)
             self.stats.target_calls += 1
             self.stats.cached_prompt_tokens = target.prompt_tokens_reused
+            self.stats.prompt_cache_s = target.prompt_cache_s
         self.stats.prefill_s = time.perf_counter() - self.started
         self._proposal: Proposal | None = None
         self._budget = 0  # tokens this cycle may still emit (token budget and room in the context)

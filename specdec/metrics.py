@@ -32,6 +32,7 @@ class SpecStats:
     # target tokens they re-tokenize to, ...; see the drafter's module)
     drafter_counts: Counter = field(default_factory=Counter)
     prefill_s: float = 0.0
+    prompt_cache_s: float = 0.0  # of prefill_s: the prompt cache's bookkeeping (lookup, joining, cutting, storing)
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
@@ -90,6 +91,7 @@ class SpecStats:
             "drafter_counts": dict(self.drafter_counts),
             "time_s": {
                 "prefill": self.prefill_s,
+                "prompt_cache": self.prompt_cache_s,
                 "draft": self.draft_s,
                 "verify": self.verify_s,
                 "other": max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s),

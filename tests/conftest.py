@@ -103,7 +103,7 @@ class ToyRunner:
     function of the whole context. Cheap enough for the tens of thousands of generations a chi-square test needs,
     and its sequence distribution can be enumerated exactly."""
 
-    prompt_tokens_reused = 0  # it caches no prompts
+    prompt_tokens_reused, prompt_cache_s = 0, 0.0  # it caches no prompts
 
     def __init__(self, vocab_size: int = 6, seed: int = 0, scale: float = 1.5, max_length: int = 64):
         self.vocab_size, self.seed, self.scale, self.max_length = vocab_size, seed, scale, max_length

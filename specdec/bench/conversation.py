@@ -136,6 +136,12 @@ def summarise(results: dict) -> dict:
         compared = [r["token_ids"] == pairs[(r["round"], r["turn"])] for r in records
                     if r["server"] == CACHED and (r["round"], r["turn"]) in pairs]
         summary["identical_to_no_cache"] = [sum(compared), len(compared)]
+    # The server's own account of a miss (turn 1): seconds of the prompt cache's bookkeeping / of the prefill
+    shares = [r["server_stats"]["time_s"]["prompt_cache"] / r["server_stats"]["time_s"]["prefill"]
+              for r in records if r["server"] == CACHED and r["turn"] == 1 and r.get("server_stats")
+              and "prompt_cache" in r["server_stats"].get("time_s", {})]
+    if shares:
+        summary["miss_bookkeeping_share"] = max(shares)
     if cached and llama:
         summary["conversation_vs_llama_server"] = cached["conversation_s"] / llama["conversation_s"]
     return summary
@@ -164,6 +170,9 @@ def report(results: dict) -> str:
         lines.append(f"- Turn 1 (a new article: a miss, the cache's lookup and bookkeeping), time to first token "
                      f"with the cache / without: **{summary['turn1_first_token_vs_no_cache']:.3f}x**")
         lines.append(f"- Answers with the cache identical to those without: **{same}/{total}**")
+    if "miss_bookkeeping_share" in summary:
+        lines.append(f"- On a miss (turn 1), the prompt cache's lookup and storing of blocks took at most "
+                     f"**{summary['miss_bookkeeping_share']:.2%}** of the prefill (the server's own timing)")
     if "conversation_vs_llama_server" in summary:
         lines.append(f"- Whole conversation, specdec with the cache / llama-server: "
                      f"**{summary['conversation_vs_llama_server']:.2f}x**")

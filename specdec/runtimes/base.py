@@ -25,6 +25,7 @@ class Runner(Protocol):
     max_length: int  # tokens this sequence may hold
     pool: SequencePool | None  # the pool it came from, whose forward_many can take it with its other sequences
     prompt_tokens_reused: int  # tokens of its prompt (its first forward) taken from a prompt cache, not computed
+    prompt_cache_s: float  # seconds that prefill spent on the prompt cache's bookkeeping (0.0 without one)
 
     @property
     def length(self) -> int:

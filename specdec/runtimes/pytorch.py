@@ -47,7 +47,7 @@ def has_dynamic_quantization(model) -> bool:
 class TorchRunner:
     """A transformers causal LM (shared, never copied) plus this sequence's own DynamicCache."""
 
-    prompt_tokens_reused = 0  # the torch runtime has no prompt cache: every prompt is prefilled
+    prompt_tokens_reused, prompt_cache_s = 0, 0.0  # the torch runtime has no prompt cache: every prompt is prefilled
 
     def __init__(self, model, vocab_size: int, max_length: int | None = None, pool: TorchPool | None = None):
         self.model, self.pool = model, pool

@@ -28,7 +28,7 @@ BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several),
 # prompt cache's blocks (specdec.prompt_cache): cached or not, a prompt's cache entries are then computed in the same
 # passes. Smaller blocks reuse more of a conversation's history; each chunk streams the weights once more
 # (BENCHMARKS.md, "Prompt cache").
-PREFILL_BLOCK = 256
+PREFILL_BLOCK = 128
 
 # KV cache element types (ggml_type). ggml's flash attention over an f16 or f32 cache of 512+ cells splits a one-token
 # pass across threads and merges partial softmaxes, while wider passes run each row in one sequential sweep, so past

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ class LlamaCppRunner:
         self.max_length = pool.max_length
         self._length = 0
         self.prompt_tokens_reused = 0  # tokens of its prompt taken from the prompt cache
+        self.prompt_cache_s = 0.0  # seconds its prefill spent looking up, joining, cutting and storing blocks
         self._refusal: str | None = None  # why this runner may no longer run (its slot was taken over or closed)
         self._release = weakref.finalize(self, pool.give, seq)
 
@@ -91,11 +93,12 @@ class LlamaCppRunner:
             cache = None
         # Blocks computed in one layout, in contexts of one shape, are given to prefills that would compute them so
         owner = (elsewhere or model, n_seq)
-        reused = []
+        reused, tick = [], time.perf_counter()
         if cache is not None:  # (blocks are cached only once kv_format is known)
             reused = cache.match(owner, tokens, PREFILL_BLOCK, most=(len(tokens) - 1) // PREFILL_BLOCK)
         start = len(reused) * PREFILL_BLOCK
         cached = kv_blocks.join(model.kv_format, reused, PREFILL_BLOCK, n_seq) if reused else None
+        self.prompt_cache_s = time.perf_counter() - tick
         state = None
         if elsewhere is not None:
             rows, state = elsewhere.prefill(tokens, wanted, n_seq, self.seq, cached, start)
@@ -111,10 +114,12 @@ class LlamaCppRunner:
         self._length, self.prompt_tokens_reused = len(tokens), start
         new = len(tokens) // PREFILL_BLOCK - len(reused)
         if cache is not None and new > 0:
+            tick = time.perf_counter()
             cut = kv_blocks.split(state or context.save_state(self.seq), PREFILL_BLOCK, len(reused), new)
             if cut is not None:
                 model.kv_format, blocks = cut
                 cache.insert(owner, tokens, PREFILL_BLOCK, len(reused), blocks)
+            self.prompt_cache_s += time.perf_counter() - tick
         return rows
 
     def rollback(self, length: int) -> None:
