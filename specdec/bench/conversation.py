@@ -152,7 +152,7 @@ def report(results: dict) -> str:
     machine = results["machine"]
     lines = ["# Conversations: specdec serve with and without its prompt cache, and llama-server", "",
              f"`{results['command']}`", "",
-             f"Machine: {machine.get('cpu')}, {machine.get('cores')} cores; flags: {machine.get('cpu_flags')}.",
+             f"Machine: {machine.get('cpu')}; {machine.get('cores')} cores, {machine.get('ram_gb')} GB.",
              f"{len(results['conversations'])} conversation(s) of {len(QUESTIONS)} turns, up to "
              f"{results['settings']['max_tokens']} tokens an answer; medians over rounds.", ""]
     rows = []
