@@ -21,8 +21,8 @@ from pathlib import Path
 
 from specdec import registry
 from specdec.bench.servers import (Server, ServerProcess, Setup, _describe_binary, _llama_cpp_version, _llama_server,
-                                   _median, _specdec_serve, _table, _version, _write, ask, default_llama_server,
-                                   load_prompts, measure_and_keep)
+                                   _median, _specdec_serve, _table, _version, ask, default_llama_server,
+                                   load_prompts, measure_and_keep, rerender)
 
 SCHEMA = "specdec-bench-conversation/1"
 QUESTIONS = (
@@ -202,15 +202,10 @@ def add_bench_conversation_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_bench_conversation(args) -> int:
-    import json
-
     from specdec.bench.runner import machine_info
 
     if args.report:  # re-render the report of a finished run
-        path = Path(args.report)
-        _write(path.with_name("report.md"), report(json.loads(path.read_text())))
-        print(path.with_name("report.md").read_text())
-        return 0
+        return rerender(Path(args.report), report)
 
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     if min(args.max_tokens, args.rounds, threads) < 1 or args.startup_timeout <= 0:

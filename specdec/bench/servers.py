@@ -550,10 +550,7 @@ def run_bench_servers(args) -> int:
     from specdec.bench.runner import machine_info
 
     if args.report:  # re-render the report of a finished run
-        path = Path(args.report)
-        _write(path.with_name("report.md"), report(json.loads(path.read_text())))
-        print(path.with_name("report.md").read_text())
-        return 0
+        return rerender(Path(args.report), report)
 
     names = _names(args.servers or ",".join(name for name, config in SERVERS.items() if config.default), SERVERS,
                    "--servers")
@@ -604,6 +601,13 @@ def measure_and_keep(measure: Callable[[], object], results: dict, out: Path, re
             _write(out / "report.md", report(results))
     print((out / "report.md").read_text())
     print(f"wrote {out}/results.json and {out}/report.md (server logs in {out}/logs)")
+    return 0
+
+
+def rerender(results_json: Path, report: Callable[[dict], str]) -> int:
+    """Write report.md again beside a finished run's results.json, measuring nothing, and show it."""
+    _write(results_json.with_name("report.md"), report(json.loads(results_json.read_text())))
+    print(results_json.with_name("report.md").read_text())
     return 0
 
 
