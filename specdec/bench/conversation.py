@@ -91,7 +91,9 @@ def run(servers_: list[Server], conversations: list[dict], warmup: dict, max_tok
             model = ((proc.get_json("/v1/models") or {}).get("data") or [{}])[0].get("id", "default")
             client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
             running[server.name] = (server, client, model)
-            results["servers"][server.name] = {"command": proc.argv, "model": model, "startup_s": proc.startup_s}
+            results["servers"][server.name] = {
+                "command": proc.argv, "model": model, "startup_s": proc.startup_s,
+                "kernel_plan": None if server.baseline else proc.get_json("/v1/specdec/plan")}
         for server, client, model in running.values():  # first passes over cold weights: not measured
             ask(client, model, warmup["prompt"], 16, server.token_ids)
         names = [server.name for server in servers_]
