@@ -24,10 +24,10 @@ LLAMA_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_
 
 setup: $(VENV)/.installed $(VENV)/.llama-cpp
 
-$(VENV)/.installed: requirements.txt requirements-data.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-ray.txt requirements-data.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet -r requirements.txt -r requirements-ray.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-data.txt
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@

@@ -39,8 +39,7 @@ class Service:
         self.generator, self.model_name = generator, model_name
         self.scheduler = Scheduler(generator, max_batch, max_queue, ctx_size, request_timeout)
         self.context = self.scheduler.batch.max_length  # tokens one request holds, prompt and completion
-        self.metrics = Metrics(lambda: self.scheduler.pending, lambda: self.scheduler.occupancy,
-                               generator.prompt_cache)
+        self.metrics = Metrics(self.scheduler, generator.prompt_cache)
         self.created = int(time.time())
 
     def model_card(self) -> dict:

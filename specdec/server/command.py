@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from specdec.cluster.options import CLUSTER_FLAGS, add_cluster_args
 from specdec.generator import DEFAULT_MAX_BATCH
 from specdec.options import add_generation_args, add_prompt_cache_arg, generator_from_args
 from specdec.server.app import create_app
@@ -39,26 +40,55 @@ def add_serve_parser(subparsers) -> None:
     add_prompt_cache_arg(parser)
     parser.add_argument("--model-name", default=None,
                         help="the `model` clients send (default: the --target value)")
+    add_cluster_args(parser)
     parser.set_defaults(func=run_serve)
 
 
-def run_serve(args) -> int:
-    import uvicorn
+def serve_arguments(argv: list[str]):
+    """The flags of `specdec serve` parsed from argv, with their defaults (a bad flag: SystemExit, as on the command
+    line)."""
+    import argparse
 
+    parser = argparse.ArgumentParser(prog="specdec")
+    add_serve_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def app_from_args(args):
+    """The app that the flags of `specdec serve` describe, its models loaded once (here): what `specdec serve` runs on
+    uvicorn and every Ray Serve replica runs in its own process (specdec.cluster). Bad flags: ValueError."""
+    check_serve_args(args)
+    generator = generator_from_args(args, args.prompt_cache_mb)  # loaded once, shared by every request
+    return create_app(generator, args.model_name or args.target, args.api_key, args.max_queue, args.max_batch,
+                      ctx_size=args.ctx_size, request_timeout=args.request_timeout)
+
+
+def check_serve_args(args) -> None:
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
-    generator = generator_from_args(args, args.prompt_cache_mb)  # loaded once, shared by every request
-    app = create_app(generator, args.model_name or args.target, args.api_key, args.max_queue, args.max_batch,
-                     ctx_size=args.ctx_size, request_timeout=args.request_timeout)
+
+
+def run_serve(args) -> int:
+    if any(getattr(args, flag) is not None for flag in CLUSTER_FLAGS):
+        from specdec.cluster.command import run_replicated
+
+        return run_replicated(args)
+    import uvicorn
+
+    app = app_from_args(args)
     service = app.state.service
     print(f"specdec: up to {service.scheduler.batch.max_batch} requests at once (--max-batch), each of up to "
           f"{service.context} tokens (--ctx-size)", file=sys.stderr)
+    warn_if_open(args)
+    uvicorn.run(app, host=args.host, port=args.port)
+    return 0
+
+
+def warn_if_open(args) -> None:
     if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port)
-    return 0

@@ -4,20 +4,20 @@ the prompt cache (hits, tokens reused, what it holds)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
     from specdec.metrics import SpecStats
     from specdec.prompt_cache import PromptCache
+    from specdec.server.scheduler import Scheduler
 
 
 class Metrics:
     """Prometheus metrics of one app, in its own registry (several apps may live in one process, as in the tests)."""
 
-    def __init__(self, queue_depth: Callable[[], int], occupancy: Callable[[], int],
-                 prompt_cache: PromptCache | None = None):
+    def __init__(self, scheduler: Scheduler, prompt_cache: PromptCache | None = None):
         self.registry = registry = CollectorRegistry()
         self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status code",
                                 ["endpoint", "status"], registry=registry)
@@ -37,10 +37,18 @@ class Metrics:
         self._totals = [0, 0]  # drafted, accepted: for the acceptance-rate gauge
         Gauge("specdec_acceptance_rate", "Accepted / drafted tokens over all generations so far",
               registry=registry).set_function(lambda: self._totals[1] / self._totals[0] if self._totals[0] else 0.0)
+        # What a router picks a server by (Ray Serve, KServe, llm-d's endpoint picker): requests waiting and
+        # running, and how full the batch's sequence slots are.
         Gauge("specdec_queue_depth", "Requests generating or waiting for the model",
-              registry=registry).set_function(queue_depth)
-        Gauge("specdec_batch_occupancy", "Requests in the batch being decoded now",
-              registry=registry).set_function(occupancy)
+              registry=registry).set_function(lambda: scheduler.pending)
+        Gauge("specdec_requests_waiting", "Requests waiting for room in the batch (their prefill not started)",
+              registry=registry).set_function(lambda: scheduler.pending - scheduler.occupancy)
+        Gauge("specdec_batch_occupancy", "Requests in the batch being decoded now (running)",
+              registry=registry).set_function(lambda: scheduler.occupancy)
+        Gauge("specdec_batch_slots", "Requests the batch decodes at once (--max-batch): each a KV cache slot",
+              registry=registry).set_function(lambda: scheduler.batch.max_batch)
+        Gauge("specdec_batch_usage_ratio", "Batch occupancy / slots, 0 to 1 (the KV cache slots in use)",
+              registry=registry).set_function(lambda: scheduler.occupancy / scheduler.batch.max_batch)
         self.cache_hits = Counter("specdec_prompt_cache_hits", "Generations whose prompt reused cached blocks",
                                   registry=registry)
         self.cached_tokens = Counter("specdec_prompt_cache_tokens_reused",

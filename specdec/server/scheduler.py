@@ -87,6 +87,11 @@ class Scheduler:
         """Requests in the batch now."""
         return len(self._active)
 
+    @property
+    def healthy(self) -> bool:
+        """Whether the model's thread runs (or has not been needed yet): it ends only if the process is failing."""
+        return self._thread is None or self._thread.is_alive()
+
     def submit(self, request: GenerationRequest, arrived: float) -> Ticket:
         """Queue a request that arrived at `arrived` (time.perf_counter); its request timeout counts from then."""
         deadline = arrived + self.request_timeout if self.request_timeout is not None else None

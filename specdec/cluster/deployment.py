@@ -1,0 +1,116 @@
+"""The Ray Serve application: a front that relays HTTP requests and the replicas that answer them.
+
+  Front    the ingress (no CPU of its own): reads each request and hands it, through a Ray Serve handle, to a
+           replica chosen by Ray's PrefixCacheAffinityRouter: the replica that served the longest start of this
+           prompt (a conversation goes back to the replica whose prompt cache holds it), unless that one holds
+           `affinity_threshold` requests more than the least loaded; then the less loaded of two (power of two
+           choices). Answers stream back as the replica sends them (forwarding.Relay).
+  Replica  one `specdec serve` app (server.command.app_from_args): the models loaded once, its own continuous
+           batch and prompt cache, `threads` CPUs reserved in Ray so that replicas on one node do not share cores.
+           Ray restarts one that dies or fails its health check, and drains one that stops (requests in flight
+           finish first, up to the request timeout).
+
+Its metrics (every one of `specdec serve`'s, tagged by replica) go to Ray's own metrics, which each node exports
+in Prometheus format (ray_specdec_*; `ray start --metrics-export-port`), beside Ray Serve's request gauges.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.config import RequestRouterConfig
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
+
+from specdec.cluster.forwarding import ForwardedRequest, Relay, answer
+from specdec.cluster.metrics import mirror_to_ray
+from specdec.server.middleware import MAX_BODY_BYTES, LimitBody
+
+APP_NAME = "specdec"
+# Ray's router that prefers the replica which saw the longest start of the prompt (it reads the `prompt` attribute
+# of ForwardedRequest). Ray exports it publicly as ray.serve.llm.request_router only beside vLLM or SGLang, so this is
+# its module; ray is pinned (requirements-ray.txt).
+PREFIX_ROUTER = "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
+HEALTH_CHECK_PERIOD_S = 5.0
+REPLICA_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)
+
+
+@serve.deployment(name="Replica")
+class Replica:
+    def __init__(self, flags: dict):
+        from specdec.server.command import app_from_args
+
+        self.app = app_from_args(argparse.Namespace(**flags))
+        self.service = self.app.state.service
+        self._mirror = threading.Thread(target=mirror_to_ray, args=(self.service.metrics.registry,),
+                                        name="specdec-metrics", daemon=True)
+        self._mirror.start()
+
+    async def answer(self, request: ForwardedRequest):
+        async for message in answer(self.app, request):
+            yield message
+
+    def check_health(self) -> None:
+        if not self.service.scheduler.healthy:
+            raise RuntimeError("the model's thread has ended: this replica cannot decode")
+
+
+@serve.deployment(name="Front", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
+@serve.ingress()
+class Front:
+    def __init__(self, replicas):
+        self.replicas = replicas.options(stream=True)
+
+    def __serve_build_asgi_app__(self):
+        return LimitBody(Relay(self.forward, REPLICA_LOST, (BackPressureError,)), MAX_BODY_BYTES)
+
+    def forward(self, request: ForwardedRequest):
+        return self.replicas.answer.remote(request)
+
+
+def application(flags: argparse.Namespace, replicas: int | None = None, min_replicas: int | None = None,
+                max_replicas: int | None = None, threads: int = 1, affinity_threshold: float | None = None
+                ) -> serve.Application:
+    """The Ray Serve application of `specdec serve`'s flags (a Namespace as server.command.serve_arguments gives):
+    `replicas` replicas, or autoscaling between min_replicas and max_replicas on the requests each holds (target:
+    --max-batch), each with `threads` threads and as many Ray CPUs. Run it with ray.serve.run(app, name=APP_NAME)."""
+    settings = {key: value for key, value in vars(flags).items() if key != "func"}
+    settings["threads"] = threads
+    scaling = ({"num_replicas": replicas} if max_replicas is None else
+               {"autoscaling_config": {"min_replicas": min_replicas, "max_replicas": max_replicas,
+                                       "initial_replicas": max(min_replicas, 1),
+                                       "target_ongoing_requests": flags.max_batch}})
+    threshold = flags.max_batch if affinity_threshold is None else affinity_threshold
+    replica = Replica.options(
+        **scaling, ray_actor_options={"num_cpus": threads},
+        # The replica's own queue (--max-queue) answers 503 when full, as a single server does; Ray holds no more.
+        max_ongoing_requests=flags.max_batch + max(flags.max_queue, 1), max_queued_requests=max(flags.max_queue, 1),
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+        graceful_shutdown_wait_loop_s=1.0, graceful_shutdown_timeout_s=flags.request_timeout,
+        request_router_config=RequestRouterConfig(
+            request_router_class=PREFIX_ROUTER,
+            request_router_kwargs={"imbalanced_threshold": threshold, "do_eviction": True}))
+    return Front.bind(replica.bind(settings))
+
+
+def app_builder(args: dict) -> serve.Application:
+    """For `serve run specdec.cluster:app_builder flags="--target ... --draft ngram" replicas=2` and `serve run
+    CONFIG.yaml` (import_path: specdec.cluster:app_builder, args: flags, replicas, min_replicas, max_replicas,
+    threads, affinity_threshold): the application of those `specdec serve` flags."""
+    from specdec.cluster.options import cluster_settings
+    from specdec.server.command import serve_arguments
+
+    unknown = set(args) - {"flags", "replicas", "min_replicas", "max_replicas", "threads", "affinity_threshold"}
+    if unknown:
+        raise ValueError(f"unknown argument(s) {sorted(unknown)}: pass `specdec serve` flags as flags=\"...\"")
+    flags = serve_arguments(str(args.get("flags", "")).split())
+    for key in ("replicas", "min_replicas", "max_replicas", "threads"):
+        if args.get(key) is not None:
+            setattr(flags, key, int(args[key]))
+    if args.get("affinity_threshold") is not None:
+        flags.affinity_threshold = float(args["affinity_threshold"])
+    if flags.replicas is None and flags.max_replicas is None:
+        flags.replicas = 1
+    return application(flags, **cluster_settings(flags))
