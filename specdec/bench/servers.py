@@ -124,8 +124,9 @@ class ServerProcess:
     """A server under test as a subprocess on a free loopback port: started, awaited until /health answers 200, and
     stopped on exit (terminate, then kill), whatever happened in between. Its output goes to `log`."""
 
-    def __init__(self, server: Server, log: Path, startup_timeout: float = 1800.0):
+    def __init__(self, server: Server, log: Path, startup_timeout: float = 1800.0, stop_timeout: float = 15.0):
         self.server, self.log_path, self.startup_timeout = server, Path(log), startup_timeout
+        self.stop_timeout = stop_timeout  # seconds from terminate to kill
         self.process: subprocess.Popen | None = None
         self.startup_s: float | None = None
 
@@ -186,7 +187,7 @@ class ServerProcess:
         if self.process is not None and self.process.poll() is None:
             self.process.terminate()
             try:
-                self.process.wait(timeout=15)
+                self.process.wait(timeout=self.stop_timeout)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()

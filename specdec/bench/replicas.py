@@ -1,0 +1,216 @@
+"""`specdec bench-replicas`: one `specdec serve` against the same app on Ray Serve replicas, under concurrent clients.
+
+Configurations (each a server process on a loopback port, started and stopped in turn within every round, the order
+rotated from round to round so that drift in the machine's load falls on all alike):
+  single             specdec serve --threads T               one process, no Ray: what one replica is
+  ray-1              specdec serve --replicas 1 --threads T   the same behind Ray Serve: the overhead Ray adds
+  ray-2              specdec serve --replicas 2 --threads T   two replicas (on one machine they share its cores)
+  single-2x-threads  specdec serve --threads 2T               one process with the cores two replicas would take
+
+Each configuration answers, with the official openai client, greedy and streamed:
+  sequential  --sequential requests one after another (one in flight): the latency a request pays alone
+  load        --clients clients at once, --requests each: throughput (completion tokens / the phase's wall time)
+              and each request's latency, median and 95th percentile
+Every answer is compared with single's for the same prompt: routing through Ray must not change an answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from specdec import registry
+from specdec.bench.servers import (Server, ServerProcess, _version, ask, load_prompts, measure_and_keep,
+                                   rerender)
+
+SCHEMA = "specdec-bench-replicas/1"
+CONFIGS = ("single", "ray-1", "ray-2", "single-2x-threads")
+REFERENCE = "single"
+# Ray's shutdown drains the replicas and stops the cluster's processes: give it time before a kill would strand them.
+RAY_STOP_TIMEOUT_S = 120.0
+
+
+def server_of(name: str, target: str, draft: str, threads: int, prompt_cache_mb: float) -> Server:
+    cluster = {"single": (), "ray-1": ("--replicas", "1"), "ray-2": ("--replicas", "2"),
+               "single-2x-threads": ()}[name]
+    threads = 2 * threads if name == "single-2x-threads" else threads
+    argv = (sys.executable, "-m", "specdec.cli", "serve", "--target", target, "--draft", draft, "--threads",
+            str(threads), "--prompt-cache-mb", f"{prompt_cache_mb:g}", "--host", "127.0.0.1", "--port", "{port}",
+            *cluster)
+    return Server(name, argv, token_ids=True)
+
+
+def add_bench_replicas_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "bench-replicas", help="one specdec serve against Ray Serve replicas of it, under concurrent clients",
+        description=__doc__.split("\n\n")[0] + ". Writes results.json and report.md (and the servers' logs).")
+    parser.add_argument("--target", default=registry.DEFAULT_TARGET, help="(default: %(default)s)")
+    parser.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="(default: %(default)s)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="(default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="threads per replica (default: %(default)s)")
+    parser.add_argument("--clients", type=int, default=8, help="concurrent clients (default: %(default)s)")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client (default: %(default)s)")
+    parser.add_argument("--sequential", type=int, default=6,
+                        help="requests sent one at a time before the load (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="(default: %(default)s)")
+    parser.add_argument("--sequential-max-tokens", type=int, default=16, help="(default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="(default: %(default)s)")
+    parser.add_argument("--prompt-cache-mb", type=float, default=0,
+                        help="every server's --prompt-cache-mb; 0 (default) so that replicas and a single server "
+                             "prefill alike and the figures compare decoding capacity")
+    parser.add_argument("--startup-timeout", type=float, default=1800.0, help="(default: %(default)s)")
+    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
+                        help="only write report.md again beside a finished run's results.json")
+    parser.add_argument("--out", default="bench-replicas-results", help="(default: %(default)s)")
+    parser.set_defaults(func=run_bench_replicas)
+    return parser
+
+
+def run_bench_replicas(args) -> int:
+    from specdec.bench.runner import machine_info
+
+    if args.report:
+        return rerender(Path(args.report), report)
+    configs = [name.strip() for name in args.configs.split(",") if name.strip()]
+    unknown = [name for name in configs if name not in CONFIGS]
+    if not configs or unknown or len(set(configs)) != len(configs):
+        raise ValueError(f"--configs takes some of {', '.join(CONFIGS)}, each once, separated by commas")
+    if min(args.threads, args.clients, args.requests, args.max_tokens, args.sequential_max_tokens, args.rounds) < 1 \
+            or args.sequential < 0 or args.startup_timeout <= 0 or args.prompt_cache_mb < 0:
+        raise ValueError("--threads, --clients, --requests, --max-tokens, --sequential-max-tokens and --rounds must "
+                         "be >= 1, --sequential and --prompt-cache-mb >= 0, --startup-timeout > 0")
+    if any(name.startswith("ray") for name in configs):
+        try:
+            import ray.serve  # noqa: F401 (checked here, before any server starts)
+        except ImportError:
+            raise ValueError("the ray-* configurations need Ray Serve: pip install -r requirements-ray.txt") from None
+    servers = [server_of(name, args.target, args.draft, args.threads, args.prompt_cache_mb) for name in configs]
+    prompts, warmup = load_prompts()
+    out = Path(args.out)
+    results = {"schema": SCHEMA, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
+               "versions": {name: _version(name) for name in ("specdec", "ray", "llama_cpp_python", "openai")},
+               "settings": {key: getattr(args, key) for key in ("target", "draft", "threads", "clients", "requests",
+                                                                "sequential", "max_tokens", "sequential_max_tokens",
+                                                                "rounds", "prompt_cache_mb")},
+               "servers": {}, "phases": [], "records": []}
+    return measure_and_keep(lambda: run(servers, prompts, warmup, args, out, results), results, out, report)
+
+
+def run(servers: list[Server], prompts: list[dict], warmup: dict, args, out: Path, results: dict) -> dict:
+    import openai
+
+    from specdec.bench.runner import save
+
+    for round_ in range(args.rounds):
+        shift = round_ % len(servers)
+        for server in servers[shift:] + servers[:shift]:
+            print(f"round {round_ + 1}/{args.rounds}: starting {server.name} ...", file=sys.stderr, flush=True)
+            stop = RAY_STOP_TIMEOUT_S if server.name.startswith("ray") else 15.0
+            with ServerProcess(server, out / "logs" / f"{server.name}-{round_}.log", args.startup_timeout,
+                               stop_timeout=stop) as proc:
+                model = ((proc.get_json("/v1/models") or {}).get("data") or [{}])[0].get("id", "default")
+                results["servers"].setdefault(server.name, {"command": proc.argv, "model": model,
+                                                            "kernel_plan": proc.get_json("/v1/specdec/plan"),
+                                                            "startup_s": []})["startup_s"].append(proc.startup_s)
+
+                def request(prompt: dict, max_tokens: int, phase: str) -> dict:
+                    client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
+                    record = ask(client, model, prompt["prompt"], max_tokens, token_ids=True)
+                    return {"server": server.name, "round": round_, "phase": phase, "prompt_id": prompt["id"],
+                            **record}
+
+                request(warmup, 8, "warmup")  # first passes over cold weights: not measured
+                started = time.perf_counter()
+                records = [request(prompts[i % len(prompts)], args.sequential_max_tokens, "sequential")
+                           for i in range(args.sequential)]
+                results["records"] += records
+                results["phases"].append(_phase(server.name, round_, "sequential", records, started))
+                print(f"{server.name}: {args.clients} clients", file=sys.stderr, flush=True)
+                load = [prompts[i % len(prompts)] for i in range(args.clients * args.requests)]
+                started = time.perf_counter()
+                with ThreadPoolExecutor(args.clients) as pool:  # each client sends its requests one after another
+                    per_client = pool.map(lambda c: [request(p, args.max_tokens, "load") for p in load[c::args.clients]],
+                                          range(args.clients))
+                    records = [record for client in per_client for record in client]
+                results["records"] += records
+                results["phases"].append(_phase(server.name, round_, "load", records, started))
+                save(results, out / "results.json")
+    return results
+
+
+def _phase(server: str, round_: int, phase: str, records: list[dict], started: float) -> dict:
+    wall = time.perf_counter() - started
+    tokens = sum(record["completion_tokens"] or 0 for record in records)
+    return {"server": server, "round": round_, "phase": phase, "wall_s": wall, "completion_tokens": tokens,
+            "tokens_per_s": tokens / wall if wall else None}
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q) - 1]
+
+
+def summarise(results: dict) -> dict:
+    """Per configuration: load throughput (median over rounds), load latency (median and 95th percentile over all
+    its requests), time to first token, the latency of a request alone; Ray's overhead per request alone (ray-1's
+    median minus single's); answers equal to single's."""
+    summary = {}
+    records, phases = results["records"], results.get("phases", [])
+    reference = {(r["phase"], r["round"], r["prompt_id"]): r["token_ids"] for r in records if r["server"] == REFERENCE}
+    for name in dict.fromkeys(r["server"] for r in records):
+        mine = [r for r in records if r["server"] == name]
+        load = [r["wall_s"] for r in mine if r["phase"] == "load"]
+        alone = [r["wall_s"] for r in mine if r["phase"] == "sequential"]
+        rates = [p["tokens_per_s"] for p in phases if p["server"] == name and p["phase"] == "load"]
+        compared = [r["token_ids"] == reference[key] for r in mine
+                    if (key := (r["phase"], r["round"], r["prompt_id"])) in reference]
+        summary[name] = {
+            "load_tokens_per_s": statistics.median(rates) if rates else None,
+            "load_latency_median_s": statistics.median(load) if load else None,
+            "load_latency_p95_s": _percentile(load, 95),
+            "load_first_token_median_s": statistics.median([r["first_token_s"] for r in mine
+                                                            if r["phase"] == "load" and r["first_token_s"]] or [0]),
+            "alone_latency_median_s": statistics.median(alone) if alone else None,
+            "same_as_single": f"{sum(compared)}/{len(compared)}"}
+    base = summary.get(REFERENCE, {})
+    for name, figures in summary.items():
+        if base.get("load_tokens_per_s") and figures["load_tokens_per_s"]:
+            figures["throughput_vs_single"] = figures["load_tokens_per_s"] / base["load_tokens_per_s"]
+        if base.get("alone_latency_median_s") is not None and figures["alone_latency_median_s"] is not None:
+            figures["alone_overhead_ms"] = 1000 * (figures["alone_latency_median_s"] - base["alone_latency_median_s"])
+    return summary
+
+
+def report(results: dict) -> str:
+    settings, machine = results["settings"], results["machine"]
+    lines = [f"# Replicas on Ray Serve: {settings['clients']} clients, {settings['threads']} thread(s) a replica", "",
+             f"- command: `{results['command']}`", f"- machine: {machine['cpu']}, {machine['cores']} cores, "
+             f"load average at start {machine['load_average_at_start']}", f"- versions: {results['versions']}",
+             f"- target {settings['target']}, draft {settings['draft']}; greedy, streamed; load: {settings['clients']} "
+             f"clients x {settings['requests']} requests of up to {settings['max_tokens']} tokens; alone: "
+             f"{settings['sequential']} requests of up to {settings['sequential_max_tokens']} tokens one at a time; "
+             f"{settings['rounds']} rounds; --prompt-cache-mb {settings['prompt_cache_mb']:g}", "",
+             "| configuration | load tokens/s (median of rounds) | vs single | latency median / p95 (s) | first token "
+             "median (s) | a request alone (s) | overhead alone (ms) | answers = single's |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, f in summarise(results).items():
+        def show(value, digits=2):
+            return "-" if value is None else f"{value:.{digits}f}"
+        lines.append(f"| {name} | {show(f['load_tokens_per_s'])} | {show(f.get('throughput_vs_single'))}x | "
+                     f"{show(f['load_latency_median_s'])} / {show(f['load_latency_p95_s'])} | "
+                     f"{show(f['load_first_token_median_s'])} | {show(f['alone_latency_median_s'])} | "
+                     f"{show(f.get('alone_overhead_ms'), 0)} | {f['same_as_single']} |")
+    lines += ["", "Throughput is completion tokens over the load phase's wall time; latency is each request's, "
+                  "sending to last token, over every request of every round. The overhead alone is a configuration's "
+                  "median latency of a request alone minus single's: for ray-1 what the front and Ray's routing add."]
+    return "\n".join(lines) + "\n"
+
