@@ -323,6 +323,32 @@ def test_bad_input_gets_the_answers_of_a_single_server(cluster, single):
         assert answers[0] == answers[1], (method, path)
 
 
+def ray_gauge(cluster, name: str) -> dict[str, float]:
+    """A mirrored gauge of every replica, from Ray's metrics exporter -> {replica: value}."""
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(cluster.metrics_url).text)}
+    return {s.labels["replica"]: s.value for s in getattr(families.get(name), "samples", [])}
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_place_in_the_replicas_batch(cluster):
+    client = cluster.client()
+    stream = client.completions.create(model=MODEL, prompt="def quicksort(items):", max_tokens=2000, temperature=0,
+                                       stream=True)
+    for _, chunk in zip(range(3), stream):
+        pass
+    deadline = time.monotonic() + 60
+    while sum(ray_gauge(cluster, "ray_specdec_batch_occupancy").values()) == 0:  # seen decoding (the mirror lags)
+        assert time.monotonic() < deadline, "the stream was never seen in a batch"
+        time.sleep(0.5)
+    stream.close()  # the client leaves long before 2,000 tokens
+    deadline = time.monotonic() + 60
+    while sum(ray_gauge(cluster, "ray_specdec_batch_occupancy").values()) > 0:
+        assert time.monotonic() < deadline, "the request stayed in the batch after its client left"
+        time.sleep(0.5)
+    made = sum(ray_gauge(cluster, "ray_specdec_completion_tokens_total").values())
+    time.sleep(3)
+    assert sum(ray_gauge(cluster, "ray_specdec_completion_tokens_total").values()) == made  # nothing decodes on
+
+
 def test_a_replica_killed_mid_load_is_replaced_and_no_request_is_lost(cluster, single):
     requests = requests_of(24)
     for request in requests:
