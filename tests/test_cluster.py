@@ -1,7 +1,7 @@
 """specdec on Ray Serve. First the parts on their own (the flags, the routing text, a request answered in-process,
 the front's relay with replicas that fail), then a real Ray cluster on loopback started by `specdec serve --replicas
 2` (SmolLM2-135M with the ngram drafter, 1 thread a replica), asked with the official openai client and compared
-with a single server of the same flags: answers, concurrency, bad input, a replica killed mid-load, Ctrl-C."""
+with a single server of the same flags: answers, concurrency, bad input, a replica killed mid-load, SIGTERM."""
 
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ def cluster(tmp_path_factory):
         yield running
     finally:
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)  # only if a test failed before the Ctrl-C test
+            os.killpg(process.pid, signal.SIGKILL)  # only if a test failed before the SIGTERM test
             process.wait()
 
 
@@ -396,13 +396,14 @@ def test_a_replica_killed_mid_load_is_replaced_and_no_request_is_lost(cluster, s
             break
 
 
-def test_ctrl_c_drains_and_leaves_no_ray_process_behind(cluster):
+def test_sigterm_drains_and_leaves_no_ray_process_behind(cluster):
+    """SIGTERM, as a service manager or `kill` sends it (Ctrl-C's SIGINT takes the same path)."""
     cluster.note_processes()
     assert len(cluster.descendants) > 3  # Ray's own processes and the replicas
     with ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(ask, cluster.client(), {"prompt": "def fibonacci(n):", "max_tokens": 32})
         time.sleep(1)
-        cluster.process.send_signal(signal.SIGINT)
+        cluster.process.send_signal(signal.SIGTERM)
         assert in_flight.result(timeout=120)  # drained: the request in flight was answered
     assert cluster.process.wait(timeout=120) == 0
     deadline = time.monotonic() + 30

@@ -11,10 +11,13 @@ import threading
 from specdec.cluster.options import cluster_settings
 
 LOCAL_ADDRESSES = ("127.0.0.1", "localhost", "::1")
-# On a busy machine Ray's HTTP proxy can take longer to start than Ray's 5 s readiness check allows, and Ray then
-# restarts it over and over; a local cluster started here gives it longer (a cluster started with `ray start` takes
-# the variable from its own environment).
-RAY_DEFAULTS = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", "RAY_USAGE_STATS_ENABLED": "0"}
+# For the Ray cluster started here (one started with `ray start` takes these from its own environment):
+# - Ray runs its workers, the replicas among them, at nice 15, below its own daemons, the driver and anything else on
+#   the machine; the replicas are the service here, so they run at the normal priority (measured: docs/replicas-zen5).
+# - On a busy machine Ray's HTTP proxy can take longer to start than Ray's 5 s readiness check allows, and Ray then
+#   restarts it over and over.
+RAY_DEFAULTS = {"RAY_worker_niceness": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
+                "RAY_USAGE_STATS_ENABLED": "0"}
 
 
 def run_replicated(args) -> int:
@@ -26,13 +29,13 @@ def run_replicated(args) -> int:
         import ray
         from ray import serve
     except ImportError:
-        raise ValueError("--replicas needs Ray Serve: pip install 'specdec[ray]' (pinned: pip install -r requirements-ray.txt)") from None
+        raise ValueError("--replicas needs Ray Serve: pip install 'specdec[ray]' (pinned: pip install -r "
+                         "requirements-ray.txt)") from None
     from specdec.cluster.deployment import APP_NAME, application
 
     warn_if_open(args)
     for name, value in RAY_DEFAULTS.items():
         os.environ.setdefault(name, value)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM drains and stops too, as Ctrl-C does
     if args.ray_address:
         ray.init(address=args.ray_address, logging_level="WARNING")
     else:
@@ -40,6 +43,9 @@ def run_replicated(args) -> int:
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING",
                  _node_ip_address="127.0.0.1" if local else None,
                  _metrics_export_port=args.ray_metrics_port)
+    # SIGTERM drains and stops too, as Ctrl-C does (set after ray.init, which puts in a handler of its own that ends
+    # the process at once and strands the cluster's processes)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         count = (f"{settings['replicas']} replicas" if settings["max_replicas"] is None else
