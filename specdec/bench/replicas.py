@@ -134,8 +134,9 @@ def run(servers: list[Server], prompts: list[dict], warmup: dict, args, out: Pat
                 load = [prompts[i % len(prompts)] for i in range(args.clients * args.requests)]
                 started = time.perf_counter()
                 with ThreadPoolExecutor(args.clients) as pool:  # each client sends its requests one after another
-                    per_client = pool.map(lambda c: [request(p, args.max_tokens, "load") for p in load[c::args.clients]],
-                                          range(args.clients))
+                    per_client = pool.map(
+                        lambda c: [request(p, args.max_tokens, "load") for p in load[c::args.clients]],
+                        range(args.clients))
                     records = [record for client in per_client for record in client]
                 results["records"] += records
                 results["phases"].append(_phase(server.name, round_, "load", records, started))
@@ -169,6 +170,10 @@ def summarise(results: dict) -> dict:
         mine = [r for r in records if r["server"] == name]
         load = [r["wall_s"] for r in mine if r["phase"] == "load"]
         alone = [r["wall_s"] for r in mine if r["phase"] == "sequential"]
+        # what a request alone spends outside the engine (HTTP, the front, Ray's routing): its wall time less the
+        # time the server's own stats give to the generation
+        outside = [r["wall_s"] - r["server_stats"]["time_s"]["total"] for r in mine
+                   if r["phase"] == "sequential" and (r.get("server_stats") or {}).get("time_s")]
         rates = [p["tokens_per_s"] for p in phases if p["server"] == name and p["phase"] == "load"]
         compared = [r["token_ids"] == reference[key] for r in mine
                     if (key := (r["phase"], r["round"], r["prompt_id"])) in reference]
@@ -179,6 +184,7 @@ def summarise(results: dict) -> dict:
             "load_first_token_median_s": statistics.median([r["first_token_s"] for r in mine
                                                             if r["phase"] == "load" and r["first_token_s"]] or [0]),
             "alone_latency_median_s": statistics.median(alone) if alone else None,
+            "alone_outside_engine_ms": 1000 * statistics.median(outside) if outside else None,
             "same_as_single": f"{sum(compared)}/{len(compared)}"}
     base = summary.get(REFERENCE, {})
     for name, figures in summary.items():
@@ -199,17 +205,22 @@ def report(results: dict) -> str:
              f"{settings['sequential']} requests of up to {settings['sequential_max_tokens']} tokens one at a time; "
              f"{settings['rounds']} rounds; --prompt-cache-mb {settings['prompt_cache_mb']:g}", "",
              "| configuration | load tokens/s (median of rounds) | vs single | latency median / p95 (s) | first token "
-             "median (s) | a request alone (s) | overhead alone (ms) | answers = single's |",
-             "|---|---|---|---|---|---|---|---|"]
+             "median (s) | a request alone (s) | overhead alone (ms) | outside the engine alone (ms) | "
+             "answers = single's |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, f in summarise(results).items():
         def show(value, digits=2):
             return "-" if value is None else f"{value:.{digits}f}"
         lines.append(f"| {name} | {show(f['load_tokens_per_s'])} | {show(f.get('throughput_vs_single'))}x | "
                      f"{show(f['load_latency_median_s'])} / {show(f['load_latency_p95_s'])} | "
                      f"{show(f['load_first_token_median_s'])} | {show(f['alone_latency_median_s'])} | "
-                     f"{show(f.get('alone_overhead_ms'), 0)} | {f['same_as_single']} |")
+                     f"{show(f.get('alone_overhead_ms'), 0)} | {show(f['alone_outside_engine_ms'], 0)} | "
+                     f"{f['same_as_single']} |")
     lines += ["", "Throughput is completion tokens over the load phase's wall time; latency is each request's, "
                   "sending to last token, over every request of every round. The overhead alone is a configuration's "
-                  "median latency of a request alone minus single's: for ray-1 what the front and Ray's routing add."]
+                  "median latency of a request alone minus single's: for ray-1 what running under Ray costs, the "
+                  "generation's own time included (Ray's processes share the machine's cores); outside the engine is "
+                  "a request's wall time less the generation time in the server's stats, median: HTTP, and for "
+                  "ray-* the front and Ray's routing."]
     return "\n".join(lines) + "\n"
 
