@@ -22,7 +22,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import human_eval_prompts, require, serve
+from conftest import conversation_requests, human_eval_prompts, require, serve
 from specdec.cluster.forwarding import RETRIES, ForwardedRequest, Relay, answer, routing_text
 from specdec.cluster.options import cluster_settings
 from specdec.server.command import serve_arguments
@@ -272,6 +272,7 @@ def requests_of(n: int) -> list[dict]:
             for i, p in enumerate(prompts)]
 
 
+@pytest.mark.real_model  # SmolLM2 on a Ray cluster: not part of `make test-fast`
 def test_completions_and_chat_streamed_and_not_answer_as_a_single_server(cluster, single):
     client, alone = cluster.client(), openai.OpenAI(base_url=f"{single}/v1", api_key="unused", max_retries=0)
     for request in requests_of(4):
@@ -281,6 +282,7 @@ def test_completions_and_chat_streamed_and_not_answer_as_a_single_server(cluster
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+@pytest.mark.real_model  # SmolLM2 on a Ray cluster: not part of `make test-fast`
 def test_sixteen_concurrent_clients_are_all_served_by_both_replicas(cluster, single):
     requests = requests_of(16)
     alone = openai.OpenAI(base_url=f"{single}/v1", api_key="unused", max_retries=0)
@@ -303,6 +305,16 @@ def test_sixteen_concurrent_clients_are_all_served_by_both_replicas(cluster, sin
         assert {s.labels["replica"] for s in families[gauge].samples} == set(made), gauge
 
 
+@pytest.mark.real_model  # SmolLM2 on a Ray cluster: not part of `make test-fast`
+def test_a_conversation_goes_back_to_the_replica_that_holds_its_prompt_cache(cluster):
+    """Each turn's prompt starts with the last turn's: Ray's prefix router sends it where the last one went, whose
+    prompt cache holds its blocks. Routed at random among 2 replicas, 5 turns would all hit with chance 1/16."""
+    opening = "You review Python code for a team that values small functions and clear names. " * 8
+    turns = conversation_requests(cluster.client(), opening, turns=6, settings={"temperature": 0})
+    cached = [answer["cached"] for _, answer in turns]
+    assert cached[0] == 0 and all(tokens >= 128 for tokens in cached[1:]), cached
+
+
 BAD = [("POST", "/v1/completions", {"model": "nope", "prompt": "x"}),
        ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}),
        ("POST", "/v1/completions", {"model": MODEL}),
@@ -315,6 +327,7 @@ BAD = [("POST", "/v1/completions", {"model": "nope", "prompt": "x"}),
        ("GET", "/no/such/route", None)]
 
 
+@pytest.mark.real_model  # SmolLM2 on a Ray cluster: not part of `make test-fast`
 def test_bad_input_gets_the_answers_of_a_single_server(cluster, single):
     for method, path, body in BAD:
         answers = []
@@ -332,10 +345,11 @@ def ray_gauge(cluster, name: str) -> dict[str, float]:
     return {s.labels["replica"]: s.value for s in getattr(families.get(name), "samples", [])}
 
 
+@pytest.mark.real_model  # SmolLM2 on a Ray cluster: not part of `make test-fast`
 def test_a_client_that_leaves_mid_stream_frees_its_place_in_the_replicas_batch(cluster):
     client = cluster.client()
-    stream = client.completions.create(model=MODEL, prompt="def quicksort(items):", max_tokens=2000, temperature=0,
-                                       stream=True)
+    counting = "Count from 1 to 5000, separated by commas: " + ", ".join(str(i) for i in range(1, 21)) + ","
+    stream = client.completions.create(model=MODEL, prompt=counting, max_tokens=2000, temperature=0, stream=True)
     for _, chunk in zip(range(3), stream):
         pass
     deadline = time.monotonic() + 60
@@ -352,6 +366,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_place_in_the_replicas_batch(c
     assert sum(ray_gauge(cluster, "ray_specdec_completion_tokens_total").values()) == made  # nothing decodes on
 
 
+@pytest.mark.real_model  # SmolLM2 on a Ray cluster: not part of `make test-fast`
 def test_a_replica_killed_mid_load_is_replaced_and_no_request_is_lost(cluster, single):
     requests = requests_of(24)
     for request in requests:
@@ -399,6 +414,7 @@ def test_a_replica_killed_mid_load_is_replaced_and_no_request_is_lost(cluster, s
             break
 
 
+@pytest.mark.real_model  # SmolLM2 on a Ray cluster: not part of `make test-fast`
 def test_sigterm_drains_and_leaves_no_ray_process_behind(cluster):
     """SIGTERM, as a service manager or `kill` sends it (Ctrl-C's SIGINT takes the same path)."""
     cluster.note_processes()
