@@ -308,7 +308,8 @@ def test_sixteen_concurrent_clients_are_all_served_by_both_replicas(cluster, sin
 @pytest.mark.real_model  # SmolLM2 on a Ray cluster: not part of `make test-fast`
 def test_a_conversation_goes_back_to_the_replica_that_holds_its_prompt_cache(cluster):
     """Each turn's prompt starts with the last turn's: Ray's prefix router sends it where the last one went, whose
-    prompt cache holds its blocks. Routed at random among 2 replicas, 5 turns would all hit with chance 1/16."""
+    prompt cache holds its blocks. Routed at random among 2 replicas, the 5 turns after the first would all hit
+    with chance 1/32."""
     opening = "You review Python code for a team that values small functions and clear names. " * 8
     turns = conversation_requests(cluster.client(), opening, turns=6, settings={"temperature": 0})
     cached = [answer["cached"] for _, answer in turns]
