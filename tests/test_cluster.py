@@ -43,7 +43,7 @@ def test_the_flags_say_what_to_pass_instead():
     assert (auto["replicas"], auto["min_replicas"], auto["max_replicas"]) == (None, 0, 3)
     assert settings("--max-replicas", "2")["min_replicas"] == 1
     assert settings("--ray-address", "auto")["replicas"] == 1
-    assert settings("--replicas", "2", "--max-batch", "6")["affinity_threshold"] == 6
+    assert settings("--replicas", "2", "--affinity-threshold", "3")["affinity_threshold"] == 3
     assert settings("--replicas", str(os.cpu_count() or 1))["threads"] == 1  # replicas share the cores by default
     for argv, says in [(("--replicas", "0"), "at least 1"), (("--replicas", "2", "--max-replicas", "3"), "alone"),
                        (("--min-replicas", "1"), "needs --max-replicas"),

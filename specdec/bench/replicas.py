@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specdec import registry
-from specdec.bench.servers import (Server, ServerProcess, _version, ask, load_prompts, measure_and_keep,
-                                   rerender)
+from specdec.bench.servers import (Server, ServerProcess, Setup, _specdec_serve, _version, ask, load_prompts,
+                                   measure_and_keep, rerender)
 
 SCHEMA = "specdec-bench-replicas/1"
 CONFIGS = ("single", "ray-1", "ray-2", "single-2x-threads")
@@ -37,13 +37,10 @@ RAY_STOP_TIMEOUT_S = 120.0
 
 
 def server_of(name: str, target: str, draft: str, threads: int, prompt_cache_mb: float) -> Server:
-    cluster = {"single": (), "ray-1": ("--replicas", "1"), "ray-2": ("--replicas", "2"),
-               "single-2x-threads": ()}[name]
+    cluster = {"ray-1": ("--replicas", "1"), "ray-2": ("--replicas", "2")}.get(name, ())
     threads = 2 * threads if name == "single-2x-threads" else threads
-    argv = (sys.executable, "-m", "specdec.cli", "serve", "--target", target, "--draft", draft, "--threads",
-            str(threads), "--prompt-cache-mb", f"{prompt_cache_mb:g}", "--host", "127.0.0.1", "--port", "{port}",
-            *cluster)
-    return Server(name, argv, token_ids=True)
+    argv = _specdec_serve(Setup(None, target, draft, threads), draft)
+    return Server(name, (*argv, "--prompt-cache-mb", f"{prompt_cache_mb:g}", *cluster), token_ids=True)
 
 
 def add_bench_replicas_parser(subparsers) -> argparse.ArgumentParser:

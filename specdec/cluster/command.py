@@ -10,7 +10,6 @@ import threading
 
 from specdec.cluster.options import cluster_settings
 
-LOCAL_ADDRESSES = ("127.0.0.1", "localhost", "::1")
 # For the Ray cluster started here (one started with `ray start` takes these from its own environment):
 # - Ray runs its workers, the replicas among them, at nice 15, below its own daemons, the driver and anything else on
 #   the machine; the replicas are the service here, so they run at the normal priority (measured: docs/replicas-zen5).
@@ -21,7 +20,7 @@ RAY_DEFAULTS = {"RAY_worker_niceness": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT
 
 
 def run_replicated(args) -> int:
-    from specdec.server.command import check_serve_args, warn_if_open
+    from specdec.server.command import LOCAL_HOSTS, check_serve_args, warn_if_open
 
     settings = cluster_settings(args)
     check_serve_args(args)
@@ -39,7 +38,7 @@ def run_replicated(args) -> int:
     if args.ray_address:
         ray.init(address=args.ray_address, logging_level="WARNING")
     else:
-        local = args.host in LOCAL_ADDRESSES
+        local = args.host in LOCAL_HOSTS
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING",
                  _node_ip_address="127.0.0.1" if local else None,
                  _metrics_export_port=args.ray_metrics_port)

@@ -56,7 +56,7 @@ def cluster_settings(args) -> dict:
     threads = args.threads if args.threads is not None else max(1, (os.cpu_count() or 1) // most)
     if threads < 1:
         raise ValueError(f"--threads must be at least 1, got {threads}")
-    threshold = args.affinity_threshold if args.affinity_threshold is not None else args.max_batch
-    if threshold < 0:
+    threshold = args.affinity_threshold  # None: the application's default, --max-batch
+    if threshold is not None and threshold < 0:
         raise ValueError(f"--affinity-threshold must be >= 0 requests, got {threshold:g}")
     return dict(replicas=fixed, min_replicas=low, max_replicas=high, threads=threads, affinity_threshold=threshold)

@@ -13,6 +13,9 @@ from specdec.server.limits import CTX_STEP, MEMORY_SHARE
 from specdec.server.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_REQUEST_TIMEOUT_S
 
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # --host values that only this machine can reach
+
+
 def add_serve_parser(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="serve the models over an OpenAI-compatible HTTP API")
     add_generation_args(parser)
@@ -89,6 +92,6 @@ def run_serve(args) -> int:
 
 
 def warn_if_open(args) -> None:
-    if not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if not args.api_key and args.host not in LOCAL_HOSTS:
         print(f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
