@@ -189,6 +189,41 @@ def test_a_server_that_exits_at_once_fails_with_its_status_and_output(tmp_path):
             pass
 
 
+# A stand-in for llama-server on a CPU where its default crashes: killed by SIGSEGV unless started with --no-repack,
+# then the stand-in server itself.
+CRASHES_WITHOUT_FALLBACK = textwrap.dedent('''
+    import os, runpy, signal, sys
+    if "--no-repack" not in sys.argv:
+        print("llama threadpool init", flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    sys.argv = [sys.argv[1], *[a for a in sys.argv[2:] if a != "--no-repack"]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+''')
+
+
+def test_a_server_that_crashes_at_startup_is_started_again_with_its_fallback_and_says_so(fake, tmp_path):
+    wrapper = tmp_path / "crashes.py"
+    wrapper.write_text(CRASHES_WITHOUT_FALLBACK)
+    argv = (sys.executable, str(wrapper), str(fake), servers.PORT, "llama-a")
+    with ServerProcess(Server("llama-a", argv, baseline=True, fallback=servers.LLAMA_SERVER_FALLBACK),
+                       tmp_path / "a.log", startup_timeout=60) as proc:
+        assert proc.get_json("/v1/models")["data"][0]["id"] == "fake-llama-a"
+        assert proc.argv[-1] == "--no-repack"
+        assert "crashed at startup (signal 11)" in proc.fallback and "--no-repack" in proc.fallback
+    # without a fallback the crash is the run's error, and a server that merely exits is not started again
+    with pytest.raises(ServerError, match="exited with status -11"):
+        with ServerProcess(Server("llama-a", argv, baseline=True), tmp_path / "b.log", startup_timeout=60):
+            pass
+    quitter = Server("quitter", (sys.executable, "-c", "import sys; sys.exit(3)"), fallback=("--no-repack",))
+    with pytest.raises(ServerError, match="exited with status 3"):
+        with ServerProcess(quitter, tmp_path / "c.log", startup_timeout=30):
+            pass
+    # every llama-server configuration of the registry has the fallback; specdec's servers none
+    setup = servers.Setup(Path("llama-server"), "a.gguf", "b.gguf", 2)
+    for name, config in servers.SERVERS.items():
+        assert config.server(name, setup).fallback == (servers.LLAMA_SERVER_FALLBACK if config.baseline else ())
+
+
 def test_a_server_that_never_answers_times_out_and_is_stopped(tmp_path):
     server = Server("sleeper", (sys.executable, "-c", "import time; print('loading', flush=True); time.sleep(600)"))
     proc = ServerProcess(server, tmp_path / "sleeper.log", startup_timeout=1)

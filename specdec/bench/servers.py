@@ -67,9 +67,18 @@ class Server:
     baseline: bool = False  # a llama-server configuration: specdec's servers are compared with the best of these
     token_ids: bool = False  # answers carry their token ids when the request asks (specdec's return_token_ids)
     env: tuple[tuple[str, str], ...] = ()  # set in the server's environment
+    # Arguments added for a second start when the first one crashed (was killed by a signal) before it was ready:
+    # what a user of that CPU must add to run the server at all.
+    fallback: tuple[str, ...] = ()
 
     def command(self, port: int) -> list[str]:
         return [word.replace(PORT, str(port)) for word in self.argv]
+
+
+# llama-server repacks the weights for the CPU by default; on an Intel Xeon with AMX (in a VM) its AMX matrix kernel
+# crashes at the first pass (a general protection fault in ggml_backend_amx_mul_mat, seen at startup), so there a
+# user runs it with the plain layout.
+LLAMA_SERVER_FALLBACK = ("--no-repack",)
 
 
 def _llama_server(setup: Setup, *extra: str) -> tuple[str, ...]:
@@ -92,7 +101,8 @@ class Config:
 
     def server(self, name: str, setup: Setup) -> Server:
         # specdec serve gives each answer's token ids (return_token_ids); llama-server only text
-        return Server(name, self.argv(setup), baseline=self.baseline, token_ids=not self.baseline, env=self.env)
+        return Server(name, self.argv(setup), baseline=self.baseline, token_ids=not self.baseline, env=self.env,
+                      fallback=LLAMA_SERVER_FALLBACK if self.baseline else ())
 
 
 # --spec-default is llama-server's own n-gram speculation preset (common/arg.cpp: ngram-mod drafts, a 24-token match,
@@ -122,13 +132,16 @@ class ServerError(RuntimeError):
 
 class ServerProcess:
     """A server under test as a subprocess on a free loopback port: started, awaited until /health answers 200, and
-    stopped on exit (terminate, then kill), whatever happened in between. Its output goes to `log`."""
+    stopped on exit (terminate, then kill), whatever happened in between. Its output goes to `log`. A server that
+    crashes (is killed by a signal) before it is ready is started once more with its fallback arguments, where it
+    has some; `fallback` then says why (else None)."""
 
     def __init__(self, server: Server, log: Path, startup_timeout: float = 1800.0, stop_timeout: float = 15.0):
         self.server, self.log_path, self.startup_timeout = server, Path(log), startup_timeout
         self.stop_timeout = stop_timeout  # seconds from terminate to kill
         self.process: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        self.fallback: str | None = None
 
     def __enter__(self) -> ServerProcess:
         self.port = free_port()
@@ -138,14 +151,27 @@ class ServerProcess:
         self._log = open(self.log_path, "wb")  # a file, not a pipe: a pipe nobody reads fills up and blocks the server
         started = time.perf_counter()
         try:
-            self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
-                                            stderr=subprocess.STDOUT, env={**os.environ, **dict(self.server.env)})
-            self._wait_ready()
+            try:
+                self._start()
+            except ServerError:
+                code = self.process.poll() if self.process is not None else None
+                if not (self.server.fallback and code is not None and code < 0):
+                    raise
+                self.fallback = (f"{shlex.join(self.argv)} crashed at startup (signal {-code}) on this CPU: "
+                                 f"started again with {shlex.join(self.server.fallback)}")
+                print(f"{self.server.name}: {self.fallback}", file=sys.stderr, flush=True)
+                self.argv = [*self.argv, *self.server.fallback]
+                self._start()
         except BaseException:
             self.__exit__()
             raise
         self.startup_s = time.perf_counter() - started
         return self
+
+    def _start(self) -> None:
+        self.process = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log,
+                                        stderr=subprocess.STDOUT, env={**os.environ, **dict(self.server.env)})
+        self._wait_ready()
 
     def _wait_ready(self) -> None:
         import httpx
@@ -282,6 +308,7 @@ def run_servers(servers: list[Server], prompts: list[dict], warmup: dict, max_to
             running[server.name] = (server, proc, client, model)
             results["servers"][server.name] = {
                 "command": proc.argv, "baseline": server.baseline, "model": model, "startup_s": proc.startup_s,
+                "fallback": proc.fallback,
                 # a hook: the kernel plan of specdec's runtime, where the server publishes it
                 "kernel_plan": None if server.baseline else proc.get_json("/v1/specdec/plan")}
             print(f"{server.name} ready in {proc.startup_s:.1f} s", file=sys.stderr, flush=True)
@@ -322,7 +349,8 @@ def llama_server_rate(binary: Path, gguf: str, threads: int, prompt: str, max_to
     import openai
 
     setup = Setup(binary, gguf, gguf, threads)
-    with ServerProcess(Server("llama-server", _llama_server(setup), baseline=True), log) as proc:
+    server = Server("llama-server", _llama_server(setup), baseline=True, fallback=LLAMA_SERVER_FALLBACK)
+    with ServerProcess(server, log) as proc:
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
         model = ((proc.get_json("/v1/models") or {}).get("data") or [{}])[0].get("id", "default")
         if chat:
@@ -473,6 +501,10 @@ def report(results: dict) -> str:
     lines += _table(["server", "command", "startup (s)"],
                     [[name, f"`{shlex.join(info['command'])}`", _f(info.get("startup_s"))]
                      for name, info in results["servers"].items()])
+    fallbacks = {name: info["fallback"] for name, info in results["servers"].items() if info.get("fallback")}
+    if fallbacks:
+        lines += ["", "Started again after a crash (what a user of this CPU must run):", ""]
+        lines += [f"- {name}: {why}" for name, why in fallbacks.items()]
     plans = {name: info["kernel_plan"] for name, info in results["servers"].items() if info.get("kernel_plan")}
     for name, plan in plans.items():
         lines += ["", f"Kernel plan of {name}: `{json.dumps(plan)}`"]
