@@ -55,7 +55,9 @@ def run_generate(args) -> int:
                                   "identical": baseline.token_ids == out.token_ids,
                                   "speedup": out.stats.tokens_per_s / baseline.stats.tokens_per_s}
         if llama_server is not None:
-            record["llama_server"] = {"tokens_per_s": llama_server, "speedup": out.stats.tokens_per_s / llama_server}
+            rate, how = llama_server
+            record["llama_server"] = {"tokens_per_s": rate, "speedup": out.stats.tokens_per_s / rate,
+                                      "settings": how}
         if llama_cpp is not None:
             record["llama_cpp"] = {"tokens_per_s": llama_cpp, "speedup": out.stats.tokens_per_s / llama_cpp}
         print(json.dumps(record))
@@ -69,8 +71,9 @@ def run_generate(args) -> int:
         print(f"target-only: {baseline.stats.tokens_per_s:.2f} tokens/s -> speed-up "
               f"{out.stats.tokens_per_s / baseline.stats.tokens_per_s:.2f}x ({same})")
     if llama_server is not None:
-        print(f"upstream llama-server (unpatched, its defaults, same file, over HTTP): {llama_server:.2f} tokens/s "
-              f"-> speed-up {out.stats.tokens_per_s / llama_server:.2f}x")
+        rate, how = llama_server
+        print(f"upstream llama-server (unpatched, {how}, same file, over HTTP): {rate:.2f} tokens/s "
+              f"-> speed-up {out.stats.tokens_per_s / rate:.2f}x")
     if llama_cpp is not None:
         print(f"plain llama.cpp (llama-cpp-python's own loop, its default settings, same file): {llama_cpp:.2f} "
               f"tokens/s -> speed-up {out.stats.tokens_per_s / llama_cpp:.2f}x (build upstream llama-server with "
@@ -81,9 +84,10 @@ def run_generate(args) -> int:
     return 0
 
 
-def _llama_server(gen, args) -> float | None:
-    """Tokens/s of upstream llama-server on the target's file, where `make llama-server` has built it (llama.cpp
-    runtime, greedy, no stop strings); else None, and the comparison falls back to llama-cpp-python's loop."""
+def _llama_server(gen, args) -> tuple[float, str] | None:
+    """(tokens/s, its settings in words) of upstream llama-server on the target's file, where `make llama-server` has
+    built it (llama.cpp runtime, greedy, no stop strings); else None, and the comparison falls back to
+    llama-cpp-python's loop."""
     import tempfile
 
     from specdec.bench.servers import default_llama_server, llama_server_rate

@@ -311,9 +311,17 @@ def test_generate_compares_with_llama_server_through_the_same_client(fake, tmp_p
     """`specdec generate --compare` times upstream llama-server on the prompt (a warm-up first), through the same
     streamed chat request as the benchmark; here against the stand-in."""
     monkeypatch.setattr(servers, "_llama_server", lambda setup, *extra: fake_argv(fake, "llama-x"))
-    rate = servers.llama_server_rate(Path("unused"), "model.gguf", 2, "one two three four five", 4, chat=True,
-                                     log=tmp_path / "log")
-    assert rate > 0
+    rate, settings = servers.llama_server_rate(Path("unused"), "model.gguf", 2, "one two three four five", 4,
+                                               chat=True, log=tmp_path / "log")
+    assert rate > 0 and settings == "its defaults"
+    # where its defaults crash, the comparison runs with the fallback and says so
+    wrapper = tmp_path / "crashes.py"
+    wrapper.write_text(CRASHES_WITHOUT_FALLBACK)
+    monkeypatch.setattr(servers, "_llama_server",
+                        lambda setup, *extra: (sys.executable, str(wrapper), *fake_argv(fake, "llama-x")[1:]))
+    rate, settings = servers.llama_server_rate(Path("unused"), "model.gguf", 2, "one two three", 4, chat=True,
+                                               log=tmp_path / "log2")
+    assert rate > 0 and settings == "its defaults and --no-repack: its defaults crash on this CPU"
 
 
 # ---- specdec bench-conversation

@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from specdec import registry
-from specdec.bench.servers import (Server, ServerProcess, Setup, _describe_binary, _llama_cpp_version, _llama_server,
-                                   _median, _specdec_serve, _table, _version, ask, default_llama_server,
-                                   load_prompts, measure_and_keep, rerender)
+from specdec.bench.servers import (LLAMA_SERVER_FALLBACK, Server, ServerProcess, Setup, _describe_binary,
+                                   _llama_cpp_version, _llama_server, _median, _specdec_serve, _table, _version, ask,
+                                   default_llama_server, load_prompts, measure_and_keep, rerender)
 
 SCHEMA = "specdec-bench-conversation/1"
 QUESTIONS = (
@@ -42,7 +42,7 @@ def servers(setup: Setup) -> list[Server]:
     cold = (*_specdec_serve(setup, setup.draft), "--prompt-cache-mb", "0")
     return [Server(CACHED, _specdec_serve(setup, setup.draft), token_ids=True),
             Server(COLD, cold, token_ids=True),
-            Server(LLAMA, _llama_server(setup), baseline=True)]
+            Server(LLAMA, _llama_server(setup), baseline=True, fallback=LLAMA_SERVER_FALLBACK)]
 
 
 def articles(rounds: int) -> list[dict]:
@@ -92,7 +92,7 @@ def run(servers_: list[Server], conversations: list[dict], warmup: dict, max_tok
             client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
             running[server.name] = (server, client, model)
             results["servers"][server.name] = {
-                "command": proc.argv, "model": model, "startup_s": proc.startup_s,
+                "command": proc.argv, "model": model, "startup_s": proc.startup_s, "fallback": proc.fallback,
                 "kernel_plan": None if server.baseline else proc.get_json("/v1/specdec/plan")}
         for server, client, model in running.values():  # first passes over cold weights: not measured
             ask(client, model, warmup["prompt"], 16, server.token_ids)

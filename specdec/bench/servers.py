@@ -341,11 +341,12 @@ def _request(proc: ServerProcess, client, model: str, prompt: dict, max_tokens: 
 
 
 def llama_server_rate(binary: Path, gguf: str, threads: int, prompt: str, max_tokens: int, chat: bool,
-                      log: Path) -> float:
+                      log: Path) -> tuple[float, str]:
     """Tokens/s of upstream llama-server (plain, its defaults) on one greedy request, prefill included, after an
     untimed warm-up: the baseline of `specdec generate --compare`. chat: a chat completion of the prompt as the
     user's message (llama-server applies the GGUF's chat template, as specdec applies the tokenizer's); else a
-    completion of the prompt as it is."""
+    completion of the prompt as it is. -> (tokens/s, its settings in words: "its defaults", or the fallback its
+    crash on this CPU called for)."""
     import openai
 
     setup = Setup(binary, gguf, gguf, threads)
@@ -353,14 +354,16 @@ def llama_server_rate(binary: Path, gguf: str, threads: int, prompt: str, max_to
     with ServerProcess(server, log) as proc:
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
         model = ((proc.get_json("/v1/models") or {}).get("data") or [{}])[0].get("id", "default")
+        settings = "its defaults" if proc.fallback is None else (
+            f"its defaults and {shlex.join(server.fallback)}: its defaults crash on this CPU")
         if chat:
             ask(client, model, prompt, min(2, max_tokens), token_ids=False)
             record = ask(client, model, prompt, max_tokens, token_ids=False)
-            return record["tokens_per_s"]
+            return record["tokens_per_s"], settings
         client.completions.create(model=model, prompt=prompt, max_tokens=min(2, max_tokens), temperature=0)
         started = time.perf_counter()
         response = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
-        return response.usage.completion_tokens / (time.perf_counter() - started)
+        return response.usage.completion_tokens / (time.perf_counter() - started), settings
 
 
 # ---- the figures
