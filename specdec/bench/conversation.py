@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 
 from specdec import registry
-from specdec.bench.servers import (LLAMA_SERVER_FALLBACK, Server, ServerProcess, Setup, _describe_binary,
-                                   _llama_cpp_version, _llama_server, _median, _specdec_serve, _table, _version, ask,
-                                   default_llama_server, load_prompts, measure_and_keep, rerender)
+from specdec.bench.servers import (Server, ServerProcess, Setup, _describe_binary, _llama_cpp_version, _median,
+                                   _specdec_serve, _table, _version, ask, default_llama_server, llama_server,
+                                   load_prompts, measure_and_keep, rerender)
 
 SCHEMA = "specdec-bench-conversation/1"
 QUESTIONS = (
@@ -42,7 +42,7 @@ def servers(setup: Setup) -> list[Server]:
     cold = (*_specdec_serve(setup, setup.draft), "--prompt-cache-mb", "0")
     return [Server(CACHED, _specdec_serve(setup, setup.draft), token_ids=True),
             Server(COLD, cold, token_ids=True),
-            Server(LLAMA, _llama_server(setup), baseline=True, fallback=LLAMA_SERVER_FALLBACK)]
+            llama_server(LLAMA, setup)]
 
 
 def articles(rounds: int) -> list[dict]:

@@ -137,9 +137,10 @@ class LlamaCppPython(Method):
 
 
 class LlamaServer(Method):
-    """Upstream llama-server (built by `make llama-server` without specdec's patch, its defaults) on the target's
-    GGUF file, a subprocess on a loopback port: each prompt goes to its /completion endpoint as token ids, greedy, and
-    the token ids of the answer come back. What users of llama.cpp run as a server."""
+    """Upstream llama-server (built by `make llama-server` without specdec's patch, its defaults, or --no-repack where
+    those crash) on the target's GGUF file, a subprocess on a loopback port: each prompt goes to its /completion
+    endpoint as token ids, greedy, and the token ids of the answer come back. What users of llama.cpp run as a
+    server."""
 
     family = "llama-server"
     out_of_process = True
@@ -149,7 +150,7 @@ class LlamaServer(Method):
         import tempfile
         from pathlib import Path
 
-        from specdec.bench.servers import Server, ServerProcess, Setup, _llama_server, default_llama_server
+        from specdec.bench.servers import ServerProcess, Setup, default_llama_server, llama_server
 
         try:
             binary = default_llama_server()
@@ -161,7 +162,7 @@ class LlamaServer(Method):
         self._stack = contextlib.ExitStack()
         scratch = Path(self._stack.enter_context(tempfile.TemporaryDirectory()))
         setup = Setup(binary, str(model.path), str(model.path), model.threads)
-        self.process = self._stack.enter_context(ServerProcess(Server(label, _llama_server(setup), baseline=True),
+        self.process = self._stack.enter_context(ServerProcess(llama_server(label, setup),
                                                                scratch / "llama-server.log"))
 
     def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Output:

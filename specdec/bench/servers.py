@@ -86,6 +86,12 @@ def _llama_server(setup: Setup, *extra: str) -> tuple[str, ...]:
             "-np", "1", "--host", "127.0.0.1", "--port", PORT, *extra)
 
 
+def llama_server(name: str, setup: Setup, *extra: str) -> Server:
+    """llama-server as a baseline under test: the target, these extra arguments, and the fallback for CPUs where its
+    defaults crash."""
+    return Server(name, _llama_server(setup, *extra), baseline=True, fallback=LLAMA_SERVER_FALLBACK)
+
+
 def _specdec_serve(setup: Setup, draft: str) -> tuple[str, ...]:
     return (sys.executable, "-m", "specdec.cli", "serve", "--target", setup.target, "--draft", draft, "--threads",
             str(setup.threads), "--host", "127.0.0.1", "--port", PORT)
@@ -350,7 +356,7 @@ def llama_server_rate(binary: Path, gguf: str, threads: int, prompt: str, max_to
     import openai
 
     setup = Setup(binary, gguf, gguf, threads)
-    server = Server("llama-server", _llama_server(setup), baseline=True, fallback=LLAMA_SERVER_FALLBACK)
+    server = llama_server("llama-server", setup)
     with ServerProcess(server, log) as proc:
         client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
         model = ((proc.get_json("/v1/models") or {}).get("data") or [{}])[0].get("id", "default")
