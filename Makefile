@@ -56,20 +56,20 @@ demo: models-llama-cpp llama-server
 
 # The whole suite, real-model tests included (they fail rather than skip when the models are missing).
 # SPECDEC_GGML_INCLUDE: ggml's headers, kept beside the wheel, for the kernels' C-level test (tests/test_kernels.py).
-# The three heaviest modules run each in a pytest process of its own and the rest in one (and the Ray cluster's
-# tests, which start and stop Ray processes, in one of theirs), so that the peak is the
-# largest module's (the fp32 torch pair: 8.6 GB), not their sum (over 20 GB in one process, issue #26: a llama.cpp model
-# stays resident until its process ends). Every part runs; any part that fails (a module missing, nothing collected:
-# pytest's exit code 5) fails the target, and Ctrl-C stops it.
+# The heaviest modules run each in a pytest process of its own and the rest in one (and the Ray cluster's tests,
+# which start and stop Ray processes, in one of theirs), so that the peak is the largest module's (the fp32 torch
+# pair: 8.6 GB), not their sum (over 20 GB in one process, issue #26: a llama.cpp model stays resident until its
+# process ends). Most tests run their models on one thread, so two lanes of those processes run side by side, one
+# per core; the default pair's llama.cpp tests, which use both cores, run after them, alone (tests/run-parts.sh).
+# Every part runs; any part that fails (a module missing, nothing collected: pytest's exit code 5) fails the
+# target, and Ctrl-C stops it.
 TEST_OWN_PROCESS := tests/test_llamacpp.py tests/test_real_llamacpp.py tests/test_real_models.py tests/test_cluster.py
+
 test: models
-	@trap 'exit 130' INT; failed=; \
-	for part in "$(TEST_OWN_PROCESS:%=--ignore=%)" $(TEST_OWN_PROCESS); do \
-		echo "== pytest $$part"; \
-		SPECDEC_REQUIRE_REAL_MODELS=1 SPECDEC_GGML_INCLUDE=$(WHEELS)/include $(BIN)/python -m pytest -q \
-			-p no:cacheprovider $$part || failed="$$failed [$$part]"; \
-	done; \
-	if [ -n "$$failed" ]; then echo "make test: failed:$$failed" >&2; exit 1; fi
+	@SPECDEC_REQUIRE_REAL_MODELS=1 SPECDEC_GGML_INCLUDE=$(WHEELS)/include tests/run-parts.sh $(BIN)/python \
+		--lane "$(TEST_OWN_PROCESS:%=--ignore=%)" \
+		--lane tests/test_llamacpp.py tests/test_real_models.py tests/test_cluster.py \
+		--then tests/test_real_llamacpp.py
 
 # Tiny-model tests only: no model download.
 test-fast: setup

@@ -352,12 +352,12 @@ def serve(app):
 def conversation_prompts(tokenizer, turns: int) -> list[list[int]]:
     """The prompts of a conversation's turns: each one the last plus an answer and a new question (the answers are
     fixed text here: what matters is that each prompt extends the one before by a few hundred tokens)."""
-    text = "You are a helpful assistant who answers questions about programming in Python. " * 12
+    text = "You are a helpful assistant who answers questions about programming in Python. " * 6
     prompts = []
     for turn in range(turns):
         text += f"\nQuestion {turn}: how do I sort a list of {turn + 2} dictionaries by the key 'age{turn}'?\n"
         prompts.append(tokenizer(text)["input_ids"])
-        text += f"Answer {turn}: use sorted(items, key=lambda d: d['age{turn}']) " * (8 + 3 * turn)
+        text += f"Answer {turn}: use sorted(items, key=lambda d: d['age{turn}']) " * (4 + 2 * turn)
     return prompts
 
 

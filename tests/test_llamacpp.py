@@ -371,7 +371,9 @@ def test_bench_smoke_on_llama_cpp_runs_ours_and_llama_cpp_pythons_own_loops(gguf
     assert all(r["identical"] for m, r in greedy.items() if r["family"] == "ours" and m != "target-only"), greedy
     # llama.cpp's own loop runs with its default (f16) cache, so its tokens may differ; its count may not.
     assert greedy["llama-generate"]["new_tokens"] == greedy["target-only"]["new_tokens"] > 0
-    assert results["methods"]["llama-generate"]["loaded_as"].startswith("llama.cpp defaults")
+    # llama.cpp's defaults, or (where they crash, as on an AMX Xeon) the layouts off after the crash, said so
+    loaded_as = results["methods"]["llama-generate"]["loaded_as"]
+    assert loaded_as.startswith("llama.cpp defaults") or "with llama.cpp's defaults its worker died" in loaded_as
     assert set(results["costs"]["verify_ratio"]) >= {"1", "2", "4"}
 
 
@@ -437,9 +439,10 @@ def test_a_crashed_llama_cpp_python_worker_is_restarted_without_repacked_weights
     peer = LlamaCppPythonPeer(gguf_path, dict(n_threads=1, n_threads_batch=1))
     try:
         first = peer.generate(prompt, 8, frozenset())
-        assert peer.loaded_as.startswith("llama.cpp defaults")
-        os.kill(peer._process.pid, signal.SIGSEGV)
-        assert peer.generate(prompt, 8, frozenset()) == first
+        if peer.crash is None:  # the defaults ran on this CPU: their worker dies here as it does on an AMX Xeon
+            assert peer.loaded_as.startswith("llama.cpp defaults")
+            os.kill(peer._process.pid, signal.SIGSEGV)
+            assert peer.generate(prompt, 8, frozenset()) == first
         assert "SIGSEGV" in peer.loaded_as and "repacked weight layouts off" in peer.loaded_as
         os.kill(peer._process.pid, signal.SIGSEGV)  # a crash with the layouts off too: an error, not a hang
         with pytest.raises(PeerCrashed, match="SIGSEGV"):
@@ -643,4 +646,6 @@ def test_specdec_kernels_shows_and_writes_the_plan_and_every_candidates_times(gg
     assert f"plan: {written['plan']}" in printed and written["threads"] == 1
     assert sorted(map(int, written["calibration"]["pass_s"])) == list(range(1, MAX_WIDTH + 1))
     assert all(LLAMA_CPP.describe() in times for times in written["calibration"]["pass_s"].values())
-    assert written["machine"]["cpu"] and "one_token_s" in written["layouts"]
+    layouts = written["layouts"]  # the times of both layouts, or the crash that chose the plain one
+    assert written["machine"]["cpu"]
+    assert "one_token_s" in layouts or layouts["worker_exit_code"] and not layouts["repack"]

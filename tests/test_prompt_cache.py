@@ -178,7 +178,7 @@ def test_a_state_cut_into_blocks_and_joined_restores_the_sequence(smollm):
 
 INSTRUCTIONS = ("You are an agent that edits a Python repository. Think before each tool call, call one tool at a "
                 "time, and report what the tool returned. The tools are read_file(path), write_file(path, text), "
-                "run_tests(), and search(pattern). " * 18)
+                "run_tests(), and search(pattern). " * 8)
 
 
 def agent_requests(client, steps: int, settings: dict) -> list[tuple[list[dict], dict]]:
