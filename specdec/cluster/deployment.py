@@ -53,8 +53,9 @@ class Replica:
             yield message
 
     def check_health(self) -> None:
-        if not self.service.scheduler.healthy:
-            raise RuntimeError("the model's thread has ended: this replica cannot decode")
+        failure = self.service.scheduler.failure
+        if failure is not None:
+            raise RuntimeError(f"{failure}: this replica cannot decode")
 
 
 @serve.deployment(name="Front", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)

@@ -174,9 +174,15 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
         return service.model_card()
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": model_name, "pending": service.scheduler.pending,
-                "batch": service.scheduler.occupancy, "cross_vocabulary": service.generator.cross_vocabulary}
+    async def health() -> Response:
+        """200 "ok" while the model can serve; 503 "error" with the reason while it cannot (its thread ended: the
+        next request starts it again)."""
+        scheduler = service.scheduler
+        state = {"status": "ok", "model": model_name, "pending": scheduler.pending, "batch": scheduler.occupancy,
+                 "cross_vocabulary": service.generator.cross_vocabulary}
+        if scheduler.failure is not None:
+            return JSONResponse({**state, "status": "error", "reason": scheduler.failure}, status_code=503)
+        return JSONResponse(state)
 
     @app.get("/v1/specdec/plan")
     async def kernel_plan() -> dict:

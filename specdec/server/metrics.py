@@ -45,6 +45,8 @@ class Metrics:
               registry=registry).set_function(lambda: scheduler.pending - scheduler.occupancy)
         Gauge("specdec_batch_occupancy", "Requests in the batch being decoded now (running)",
               registry=registry).set_function(lambda: scheduler.occupancy)
+        Gauge("specdec_model_thread_faults", "Faults of the model's thread outside a batch step (each ended the "
+              "requests in the batch; the thread went on)", registry=registry).set_function(lambda: scheduler.faults)
         Gauge("specdec_batch_slots", "Requests the batch decodes at once (--max-batch): each a KV cache slot",
               registry=registry).set_function(lambda: scheduler.batch.max_batch)
         Gauge("specdec_batch_usage_ratio", "Batch occupancy / slots, 0 to 1 (the KV cache slots in use)",

@@ -6,6 +6,7 @@ asyncio queue); a route reads them through a Turn."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -13,6 +14,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable
 
 from specdec.batching import Batch, Generation
+from specdec.requests import ContextLengthExceeded
 from specdec.server.errors import APIError, generation_failed
 
 if TYPE_CHECKING:
@@ -76,6 +78,8 @@ class Scheduler:
         self._starting = 0  # requests taken from the queue whose prefill is running
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._died: str | None = None  # what ended the model's thread, if it ended
+        self.faults = 0  # faults of the model's thread outside a batch step, each ending the requests in flight
 
     @property
     def pending(self) -> int:
@@ -89,8 +93,17 @@ class Scheduler:
 
     @property
     def healthy(self) -> bool:
-        """Whether the model's thread runs (or has not been needed yet): it ends only if the process is failing."""
+        """Whether the model's thread runs (or has not been needed yet). A fault it survives (outside a batch step:
+        in a prefill, a request leaving) ends the requests in flight and leaves it running; if it ends anyway, the
+        next request starts it again."""
         return self._thread is None or self._thread.is_alive()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the model's thread is not running (None while it is, or has not been needed yet)."""
+        if self.healthy:
+            return None
+        return self._died or "the model's thread ended"
 
     def submit(self, request: GenerationRequest, arrived: float) -> Ticket:
         """Queue a request that arrived at `arrived` (time.perf_counter); its request timeout counts from then."""
@@ -102,7 +115,9 @@ class Scheduler:
                                     "model; retry later", code="server_busy", kind="server_error",
                                headers={"Retry-After": "1"})
             self._waiting.append(ticket)
-            if self._thread is None:
+            if self._thread is None or not self._thread.is_alive():  # first use, or it died: (re)start it
+                if self._thread is not None:
+                    log.error("the model's thread had ended (%s): starting it again", self.failure)
                 self._thread = threading.Thread(target=self._run, name="specdec-model", daemon=True)
                 self._thread.start()
             self._changed.notify()
@@ -116,33 +131,66 @@ class Scheduler:
                 self._waiting.remove(ticket)
 
     def _run(self) -> None:
-        while True:
+        """The model's thread: cycle after cycle. A fault outside a batch step ends every request in flight with it
+        (none is left waiting for a thread that no longer serves it) and the thread goes on."""
+        try:
+            while True:
+                try:
+                    self._cycle()
+                except Exception as error:
+                    log.exception("the model's thread failed outside a batch step: the requests in flight end")
+                    self.faults += 1
+                    self._fail_in_flight(error, waiting=False)
+        except BaseException as error:  # not an Exception: the thread ends; its requests must not wait forever
+            self._died = f"the model's thread ended: {type(error).__name__}"
+            self._fail_in_flight(error, waiting=True)
+            raise
+
+    def _fail_in_flight(self, error: BaseException, waiting: bool) -> None:
+        """End every request in the batch with error (a failure of the server, not of any one request), and the
+        waiting ones too if the thread is ending (the next request starts a new one)."""
+        failure = error if isinstance(error, Exception) else RuntimeError(f"the model's thread ended: {error!r}")
+        with self._changed:
+            tickets = list(self._active.values())
+            for generation in list(self._active):
+                with contextlib.suppress(Exception):  # what failed may be this very bookkeeping
+                    self.batch.drop(generation)
+            self._active.clear()
+            self._starting = 0
+            if waiting:
+                tickets += self._waiting
+                self._waiting.clear()
+        for ticket in tickets:
+            ticket.push(failure)
+
+    def _cycle(self) -> None:
+        """One cycle: requests leave and join (waiting for one if there is none), then a step of every active one."""
+        with self._changed:
+            while not self._waiting and not self._active:
+                self._changed.wait()
+            self._leave()
+            # One request joins per cycle: the requests already decoding go on while prompts are read, and a
+            # new request's first token comes with the cycle right after its prefill, not after every prefill.
+            joining = [self._waiting.popleft()] if self._waiting and self.batch.has_room() else []
+            self._starting = len(joining)
+        for ticket in joining:  # the prefill: outside the lock, so that requests keep arriving meanwhile
+            self._start(ticket)
             with self._changed:
-                while not self._waiting and not self._active:
-                    self._changed.wait()
-                self._leave()
-                # One request joins per cycle: the requests already decoding go on while prompts are read, and a
-                # new request's first token comes with the cycle right after its prefill, not after every prefill.
-                joining = [self._waiting.popleft()] if self._waiting and self.batch.has_room() else []
-                self._starting = len(joining)
-            for ticket in joining:  # the prefill: outside the lock, so that requests keep arriving meanwhile
-                self._start(ticket)
-                with self._changed:
-                    self._starting -= 1
-            try:
-                outcomes = self.batch.step()  # a request that fails ends alone, with its error
-            except Exception as error:  # a failure of the batch itself, not of one request: it ends them all
-                log.exception("a batch cycle failed: the requests in it end")
-                outcomes = self._end_all(error)
-            else:
-                for _, outcome in outcomes:
-                    if isinstance(outcome, Exception):
-                        log.error("a request failed", exc_info=outcome)
-            for generation, outcome in outcomes:
-                ticket = self._active[generation]
-                ticket.push(outcome)
-                if isinstance(outcome, Exception) or outcome.finish_reason:
-                    del self._active[generation]
+                self._starting -= 1
+        try:
+            outcomes = self.batch.step()  # a request that fails ends alone, with its error
+        except Exception as error:  # a failure of the batch itself, not of one request: it ends them all
+            log.exception("a batch cycle failed: the requests in it end")
+            outcomes = self._end_all(error)
+        else:
+            for _, outcome in outcomes:
+                if isinstance(outcome, Exception):
+                    log.error("a request failed", exc_info=outcome)
+        for generation, outcome in outcomes:
+            ticket = self._active[generation]
+            ticket.push(outcome)
+            if isinstance(outcome, Exception) or outcome.finish_reason:
+                del self._active[generation]
 
     def _leave(self) -> None:
         """Before a cycle (under the lock): requests whose client left leave the batch, and requests past their
@@ -166,8 +214,8 @@ class Scheduler:
     def _start(self, ticket: Ticket) -> None:
         try:
             generation = ticket.generation = self.batch.add(ticket.request)
-        except ValueError as error:  # the model refuses the request (prompt too long, ...)
-            ticket.push(APIError(400, str(error)))
+        except ContextLengthExceeded as error:  # the request's own fault (checked when it was built, too)
+            ticket.push(APIError(400, str(error), code="context_length_exceeded"))
         except Exception as error:
             log.exception("a request failed to start")
             ticket.push(error)
