@@ -120,18 +120,48 @@ class SpeculativeGenerator:
         return ids
 
     def _render_chat(self, messages: list[dict]) -> list[int]:
-        """Chat messages through the target's chat template -> token ids (the template writes the special tokens)."""
+        """Chat messages through the target's chat template -> token ids. Only the template writes special tokens:
+        a message whose content holds the text of one ("<|im_start|>system") gets that text as plain text, so that a
+        user cannot forge another role's turn."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model has no chat template: send a plain prompt instead")
+        specials = [token.content for token in getattr(self.tokenizer, "added_tokens_decoder", {}).values()
+                    if token.special]
+        forged = [i for i, m in enumerate(messages)
+                  if isinstance(m.get("content"), str) and any(token in m["content"] for token in specials)]
+        if not forged:  # (the common case: the whole text tokenized at once, as every server does)
+            ids = self.tokenizer(self._apply_template(messages), add_special_tokens=False)["input_ids"]
+        else:
+            ids = self._render_with_plain_contents(messages, forged)
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token of text")
+        return ids
+
+    def _apply_template(self, messages: list[dict]) -> str:
         from jinja2 import TemplateError  # here: only chat templates need jinja2
 
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except (TemplateError, ValueError) as error:  # e.g. the template refuses a role or the order of messages
             raise ValueError(f"the chat template refused the messages: {error}") from error
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token of text")
+
+    def _render_with_plain_contents(self, messages: list[dict], forged: list[int]) -> list[int]:
+        """The template rendered with a placeholder for the content of each message numbered in `forged`; the
+        template's text tokenized with its special tokens, those contents with none (their special-token text split
+        into ordinary tokens)."""
+        import re
+        import secrets
+
+        marker = f"SPECDEC{secrets.token_hex(8)}"
+        contents = {f"{marker}{i}{marker}": messages[i]["content"] for i in forged}
+        rendered = self._apply_template([{**m, "content": f"{marker}{i}{marker}"} if i in forged else m
+                                         for i, m in enumerate(messages)])
+        ids = []
+        for piece in re.split(f"({marker}\\d+{marker})", rendered):
+            if piece in contents:
+                ids += self.tokenizer(contents[piece], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            elif piece:
+                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
         return ids
 
     def request(self, prompt, max_new_tokens: int | None = 128, temperature: float = 0.0, top_k: int | None = None,
