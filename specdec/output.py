@@ -67,6 +67,9 @@ class Output:
                                 self.from_draft)
 
 
+DECODE_WINDOW = 6  # tokens before the new ones that each step decodes again, for their context
+
+
 class Detokenizer:
     """Incremental decoding that never emits half a character or a prefix of a stop string."""
 
@@ -75,6 +78,11 @@ class Detokenizer:
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already emitted
+        # The text of ids[:_read] (it ended in whole characters), and of a few tokens before _read decoded from
+        # ids[_window] on: each step decodes from _window only, not the whole output again (that was quadratic in
+        # its length). A tokenizer decodes a token by its neighbours (a leading space dropped at the start of a
+        # decode), so new text is what decoding from _window gives beyond what it gave for ids[_window:_read].
+        self._text, self._read, self._window, self._window_text = "", 0, 0, ""
 
     def add(self, tokens: list[int]) -> tuple[str, int, bool]:
         """-> (text safe to emit now, how many of tokens to keep, whether a stop string was reached: then generation
@@ -86,9 +94,11 @@ class Detokenizer:
             kept = next(n for n in range(1, len(tokens) + 1) if self._stop_in(self._decode(tokens[:n])) is not None)
             text = self._decode(tokens[:kept])
             self.ids += tokens[:kept]
+            self._settle(text)
             delta, self.sent = text[self.sent:self._stop_in(text)], len(text)
             return delta, kept, True
         self.ids += tokens
+        self._settle(text)
         safe = len(text.rstrip("\ufffd"))  # an incomplete multi-byte character waits for its remaining tokens
         for s in self.stop:  # hold back a tail that may grow into a stop string
             for n in range(min(len(s) - 1, safe - self.sent), 0, -1):
@@ -99,7 +109,20 @@ class Detokenizer:
         return delta, len(tokens), False
 
     def _decode(self, extra: list[int] = ()) -> str:
-        return self.tokenizer.decode(self.ids + list(extra), skip_special_tokens=True)
+        """The text of self.ids + extra."""
+        tail = self.tokenizer.decode(self.ids[self._window:] + list(extra), skip_special_tokens=True)
+        if not tail.startswith(self._window_text):  # the window decodes otherwise in context: decode it all
+            return self.tokenizer.decode(self.ids + list(extra), skip_special_tokens=True)
+        return self._text + tail[len(self._window_text):]
+
+    def _settle(self, text: str) -> None:
+        """self.ids (just extended) decode to text: where it ends in whole characters, the next decodes start from a
+        window of the last few tokens."""
+        if text.endswith("\ufffd"):
+            return
+        self._text, self._read = text, len(self.ids)
+        self._window = max(0, self._read - DECODE_WINDOW)
+        self._window_text = self.tokenizer.decode(self.ids[self._window:], skip_special_tokens=True)
 
     def _stop_in(self, text: str) -> int | None:
         """Where the first stop string starts in text (searching only what was not sent yet), or None."""

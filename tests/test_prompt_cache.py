@@ -263,3 +263,41 @@ def test_a_prompt_beyond_the_budget_caches_the_blocks_that_fit_and_still_prefill
     assert cache.stats.blocks == 1 and cache.stats.bytes <= cache.budget_bytes
     warm, reused = prefill_through(model, tokens, cache)
     assert reused == llamacpp.PREFILL_BLOCK and torch.equal(warm, cold)
+
+
+# --- the text of an answer, as it streams ---------------------------------------------------------------------------
+
+def test_streamed_text_equals_the_whole_decode_and_each_step_decodes_only_a_window(smollm):
+    """Random tokens of a byte-level tokenizer (multi-byte characters split across tokens, leading spaces) fed in
+    steps of 1-5 tokens: the chunks join to the text of decoding them all at once, with and without a stop string
+    cut out; and a step decodes a few tokens, not the whole output again (which made long answers quadratic)."""
+    import random
+
+    from specdec.output import DECODE_WINDOW, Detokenizer
+
+    _, tokenizer = smollm
+    rng = random.Random(5)
+    decode, decoded = tokenizer.decode, []
+
+    def counting(ids, **kwargs):
+        decoded.append(len(ids))
+        return decode(ids, **kwargs)
+
+    for trial in range(20):
+        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
+        whole = decode(ids, skip_special_tokens=True)
+        stop = whole[200:204] if trial % 2 and len(whole) > 204 else None
+        detokenizer = Detokenizer(tokenizer, [stop] if stop else [])
+        tokenizer.decode, decoded[:] = counting, []
+        try:
+            texts, fed, stopped = [], 0, False
+            while fed < len(ids) and not stopped:
+                step = ids[fed:fed + rng.randint(1, 5)]
+                text, kept, stopped = detokenizer.add(step)
+                texts.append(text)
+                fed += kept
+            texts.append("" if stopped else detokenizer.flush())
+        finally:
+            tokenizer.decode = decode
+        assert "".join(texts) == (whole[:whole.index(stop)] if stop else whole)
+        assert max(decoded) <= DECODE_WINDOW + 40, max(decoded)  # a window and its step, not all 300 tokens
