@@ -107,6 +107,27 @@ def test_checksum_mismatch_deletes_the_file_and_says_so(fake_spec, tmp_path):
     assert list(out.iterdir()) == []
 
 
+def test_a_single_file_package_is_hashed_once_until_it_changes(fake_spec, cache, monkeypatch, tmp_path):
+    """A model shipped as one file is read in place: it is hashed at its first load, not at every one after (a
+    1.5 GB read each start), and again once its size or modification time changes; a corrupt one is still refused."""
+    from specdec.registry import gguf_files
+
+    whole = tmp_path / "site" / "whole.gguf"
+    whole.write_bytes(joined_bytes(fake_spec))
+    single = replace(fake_spec, source=FakeParts((whole,)))
+    monkeypatch.setitem(registry.MODELS, FAKE, single)
+    hashed, sha256_file = [], gguf_files.sha256_file
+    monkeypatch.setattr(gguf_files, "sha256_file", lambda path, progress=False: hashed.append(path) or sha256_file(
+        path, progress))
+    assert registry.gguf_file(FAKE, progress=False) == whole and registry.gguf_file(FAKE, progress=False) == whole
+    assert hashed == [whole]
+    whole.write_bytes(b"x" + joined_bytes(fake_spec)[1:])  # changed in place: same size, a new modification time
+    os.utime(whole, ns=(whole.stat().st_atime_ns, whole.stat().st_mtime_ns + 10**9))
+    with pytest.raises(ChecksumMismatch, match="reinstall"):
+        registry.gguf_file(FAKE, progress=False)
+    assert hashed == [whole, whole]
+
+
 def test_size_mismatch_is_refused_before_writing(fake_spec, tmp_path):
     with pytest.raises(ChecksumMismatch, match="add up to"):
         registry.join_parts(fake_spec.source.paths(), tmp_path / "x.gguf", fake_spec.sha256, fake_spec.gguf_bytes + 1)

