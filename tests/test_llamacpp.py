@@ -667,3 +667,47 @@ def test_special_token_text_in_a_message_is_plain_text_not_a_forged_turn(model, 
     whole = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
                       add_special_tokens=False)["input_ids"]
     assert whole.count(im_start) == ids.count(im_start) + 1
+
+
+def test_two_threads_with_different_kernel_plans_each_pass_under_its_own(gguf_path, monkeypatch):
+    """The kernel plan is one setting of the library: two models decoding in two threads (two generators in one
+    process) must each run every pass under its own plan. Each llama_decode checks the plan in force (after a pause
+    that gives the other thread time to change it) against its caller's."""
+    import threading
+    import time
+
+    from specdec.runtimes.llamacpp import context, kernels
+
+    plans = [kernels.KernelPlan.uniform(kernel) for kernel in kernels.candidates()[:2]]
+    if len(plans) < 2:
+        pytest.skip("one candidate kernel on this build: no second plan to run beside the first")
+    models = [llamacpp.LlamaCppModel(gguf_path, threads=1) for _ in plans]
+    for loaded, plan in zip(models, plans):
+        loaded._kernel_plan = plan
+    lib, decode, wrong, mine = context.library(), context.library().llama_decode, [], threading.local()
+
+    def checking(ctx, batch):
+        time.sleep(0.002)
+        status = decode(ctx, batch)  # (ctypes lets the other thread run meanwhile)
+        if kernels._applied != mine.plan:  # the plan in force now is the one the whole pass ran under
+            wrong.append((mine.plan, kernels._applied))
+        return status
+
+    monkeypatch.setattr(lib, "llama_decode", checking)
+
+    passes = []
+
+    def decoding(loaded):
+        mine.plan = loaded._kernel_plan
+        runner = loaded.pool().take(loaded.n_vocab)
+        for i in range(40):
+            runner.forward(torch.tensor([[1 + i % 50]]))
+            passes.append(1)
+        runner.close()
+
+    threads = [threading.Thread(target=decoding, args=(loaded,)) for loaded in models]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(passes) == 80 and not wrong, f"{len(wrong)} of {len(passes)} passes ran under the other model's plan"

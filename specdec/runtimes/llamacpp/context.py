@@ -9,6 +9,7 @@ cache copied byte for byte, not recomputed), so one long generation does not res
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,13 @@ PREFILL_BLOCK = 128
 KV_CACHE_TYPES = {"f16": 1, "bf16": 30, "q8_0": 8}
 KV_CACHE_BYTES = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # bytes per cached element (q8_0: 32 int8 + an f16 scale)
 DEFAULT_KV_CACHE = "q8_0"  # as exact as bf16, half the bytes per cached token (BENCHMARKS.md, "KV cache types")
+
+
+# Held over each pass with its kernel plan in force. The plan is a setting of the whole library, so two threads
+# running different models (two generators, generate() beside a server) would otherwise run a pass under the other
+# model's plan: kernels not checked for its widths. Passes of one process then take turns (on a CPU they share the
+# cores anyway).
+PASS_LOCK = threading.Lock()
 
 
 class Context:
@@ -115,13 +123,15 @@ def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, in
     """One llama_decode of model's over entries (sequence id, position, token, whether its logits are wanted), under
     the model's kernel plan -> the wanted rows, in order. If it fails, every sequence in it is cut back to where its
     tokens start (the cache may hold part of the batch), so that its runner stays consistent."""
-    model.kernel_plan.apply()
+    plan = model.kernel_plan  # (its first use calibrates it, with passes of its own: before taking the lock)
     lib, batch, n_vocab = context.lib, context.batch, model.n_vocab
     for i, (seq, position, token, want) in enumerate(entries):
         batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, want
         batch.seq_id[i][0] = seq
     batch.n_tokens = len(entries)
-    status = lib.llama_decode(context.ctx, batch)
+    with PASS_LOCK:  # the plan is one setting of the library: no other thread's pass may change it mid-pass
+        plan.apply()
+        status = lib.llama_decode(context.ctx, batch)
     if status != 0:
         starts: dict[int, int] = {}
         for seq, position, _, _ in entries:
