@@ -711,3 +711,29 @@ def test_two_threads_with_different_kernel_plans_each_pass_under_its_own(gguf_pa
     for thread in threads:
         thread.join()
     assert len(passes) == 80 and not wrong, f"{len(wrong)} of {len(passes)} passes ran under the other model's plan"
+
+
+def test_another_ggml_on_ld_library_path_is_not_loaded_in_place_of_the_wheels_own(gguf_path, tmp_path):
+    """On a machine with another llama.cpp build on LD_LIBRARY_PATH (installed system-wide), its ggml would be loaded
+    instead of the wheel's patched one and every pass would fail. Here that folder holds a ggml without the kernel
+    plan's entry points: the runtime still loads its own, and a model runs a pass."""
+    import os
+    import subprocess
+    import sys
+
+    source = tmp_path / "other.c"
+    source.write_text("int ggml_other_build(void) { return 1; }\n")
+    other = tmp_path / "other-llama.cpp"
+    other.mkdir()
+    for name in llamacpp.library.OWN_GGML:
+        subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(other / name), str(source)], check=True)
+    code = ("import sys, torch; from specdec.runtimes.llamacpp import LlamaCppModel; "
+            "from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, KernelPlan, loaded_library; "
+            "model = LlamaCppModel(sys.argv[1], threads=1, repack=False, prefill_repack=None); "
+            "model._kernel_plan = KernelPlan.uniform(LLAMA_CPP); "  # (no calibration: a pass is what is asked)
+            "model.pool().take(model.n_vocab).forward(torch.tensor([[1, 2, 3]])); print(loaded_library()._name)")
+    env = {**os.environ, "LD_LIBRARY_PATH": str(other)}
+    run = subprocess.run([sys.executable, "-c", code, gguf_path], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert str(other) not in run.stdout and "site-packages/llama_cpp/lib" in run.stdout

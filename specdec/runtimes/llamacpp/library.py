@@ -22,6 +22,7 @@ def installed() -> bool:
 def library():
     """The llama_cpp module, its backend initialised and its log silenced (model loading chatter would bury our own
     output), once."""
+    _load_own_ggml()
     try:
         import llama_cpp
     except ImportError:
@@ -30,6 +31,25 @@ def library():
             "--runtime torch") from None
     _initialise(llama_cpp)
     return llama_cpp
+
+
+# The wheel's ggml libraries, in the order they need each other (by their sonames, as libllama names them).
+OWN_GGML = ("libggml-base.so.0", "libggml-cpu.so.0", "libggml.so.0")
+
+
+@functools.cache
+def _load_own_ggml() -> None:
+    """Load the wheel's own ggml libraries by their paths, before llama-cpp-python loads libllama. Its libraries find
+    each other through a RUNPATH, which LD_LIBRARY_PATH overrides: on a machine with another llama.cpp build on that
+    path, libllama would run that build's ggml, without specdec's kernel patch (every pass would fail). A library
+    already loaded under a soname is the one the dynamic linker gives whoever needs that soname afterwards."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        return
+    folder = Path(spec.submodule_search_locations[0]) / "lib"
+    for name in OWN_GGML:
+        if (folder / name).is_file():
+            ctypes.CDLL(str(folder / name), mode=ctypes.RTLD_GLOBAL)
 
 
 @functools.cache
