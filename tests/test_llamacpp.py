@@ -737,3 +737,22 @@ def test_another_ggml_on_ld_library_path_is_not_loaded_in_place_of_the_wheels_ow
                          timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert str(other) not in run.stdout and "site-packages/llama_cpp/lib" in run.stdout
+
+
+def test_a_batch_sequence_beyond_the_batch_calibrations_longest_context_verifies_one_token(model):
+    """The batch calibration checks fused passes up to 4,080 cached tokens (its slots hold 4,096); the single-sequence
+    one up to 4,096. A sequence of a batch pool past 4,080 tokens must not share (or make) a wider pass there."""
+    target, _ = model
+    longest = max(target.batch_calibration["contexts"])
+    assert longest < max(target.exact_widths)
+    batch = target.pool(2, llamacpp.DEFAULT_SLOT_TOKENS)
+    solo = target.pool(1)
+    runners = [pool.take(target.n_vocab) for pool in (batch, solo)]
+    try:
+        for runner in runners:
+            assert runner.verify_width(longest) == target.verify_width(longest) > 1
+        assert runners[0].verify_width(longest + 1) == 1
+        assert runners[1].verify_width(longest + 1) == target.verify_width(longest + 1) > 1
+    finally:
+        for runner in runners:
+            runner.close()

@@ -44,6 +44,11 @@ class LlamaCppRunner:
         self._release()
 
     def verify_width(self, length: int) -> int:
+        """The widest pass after `length` cached tokens (LlamaCppModel.verify_width). In a pool of several, where its
+        passes may be fused with other sequences', one token beyond the longest context the batch calibration
+        checked (its slots hold a little more than that: the calibration's passes must fit in them)."""
+        if self.pool.sequences > 1 and length > max(self.model.batch_calibration["contexts"]):
+            return 1
         return self.model.verify_width(length)
 
     @property
