@@ -756,3 +756,20 @@ def test_a_batch_sequence_beyond_the_batch_calibrations_longest_context_verifies
     finally:
         for runner in runners:
             runner.close()
+
+
+def test_a_failed_load_or_pass_says_what_llama_cpp_reported(model, tmp_path):
+    """llama.cpp reports its reasons only through its log; a failure says them, not only that it failed."""
+    from specdec.runtimes.llamacpp import context
+
+    target, _ = model
+    not_a_model = tmp_path / "notes.gguf"
+    not_a_model.write_bytes(b"these are notes, not weights" * 100)
+    with pytest.raises(ValueError, match="llama.cpp said: .*magic"):
+        llamacpp.LlamaCppModel(not_a_model, threads=1, repack=False, prefill_repack=None)
+    slots = llamacpp.SlotPool(target, 1, 64)
+    try:
+        with pytest.raises(RuntimeError, match="llama_decode returned .*llama.cpp said: .*seq_id"):
+            context.evaluate(target, slots.context, [(7, 0, 1, True)])  # a sequence id this context does not have
+    finally:
+        slots.close()

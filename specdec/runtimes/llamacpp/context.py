@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from specdec.runtimes.llamacpp.library import library
+from specdec.runtimes.llamacpp.library import library, recent_problems
 
 if TYPE_CHECKING:
     from specdec.prompt_cache import PromptCache
@@ -62,9 +62,12 @@ class Context:
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.type_k = params.type_v = KV_CACHE_TYPES[model.kv_cache]
         params.no_perf = True
+        recent_problems()
         self.ctx = lib.llama_init_from_model(model.handle, params)
         if not self.ctx:
-            raise MemoryError(f"llama.cpp could not allocate a context of {size} tokens for {model.path.name}")
+            said = recent_problems()
+            raise MemoryError(f"llama.cpp could not allocate a context of {size} tokens for {model.path.name}"
+                              + (f" (llama.cpp said: {said})" if said else ""))
         self.n_seq = n_seq
         self.size = lib.llama_n_ctx(self.ctx) // n_seq  # tokens per sequence
         self.memory = lib.llama_get_memory(self.ctx)
@@ -131,6 +134,7 @@ def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, in
     batch.n_tokens = len(entries)
     with PASS_LOCK:  # the plan is one setting of the library: no other thread's pass may change it mid-pass
         plan.apply()
+        recent_problems()  # (what llama.cpp reports from here on is this pass's)
         status = lib.llama_decode(context.ctx, batch)
     if status != 0:
         starts: dict[int, int] = {}
@@ -138,7 +142,9 @@ def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, in
             starts.setdefault(seq, position)
         for seq, start in starts.items():
             lib.llama_memory_seq_rm(context.memory, seq, start, -1)
-        raise RuntimeError(f"llama.cpp failed to evaluate {len(entries)} tokens (llama_decode returned {status})")
+        said = recent_problems()
+        raise RuntimeError(f"llama.cpp failed to evaluate {len(entries)} tokens (llama_decode returned {status}"
+                           + (f"; llama.cpp said: {said})" if said else ")"))
     return [np.ctypeslib.as_array(lib.llama_get_logits_ith(context.ctx, i), shape=(n_vocab,)).copy()
             for i, (_, _, _, want) in enumerate(entries) if want]
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import importlib.util
+import logging
 import os
 from pathlib import Path
 
 PIN = "llama-cpp-python==0.3.36"
+log = logging.getLogger("llama.cpp")
 
 
 class LlamaCppUnavailable(ValueError):
@@ -58,10 +61,36 @@ def _initialise(llama_cpp) -> None:
     llama_cpp.llama_log_set(_quiet(llama_cpp), ctypes.c_void_p())
 
 
+WARN, ERROR, CONT = 3, 4, 5  # ggml_log_level values (ggml.h): warnings, errors, the continuation of the last line
+_recent_problems: collections.deque[str] = collections.deque(maxlen=20)  # llama.cpp's last warnings and errors
+_last_level = [0]
+
+
 @functools.cache
 def _quiet(llama_cpp):
-    """The log callback that drops every line, kept alive by the cache: llama.cpp holds the pointer."""
-    return llama_cpp.llama_log_callback(lambda level, text, user_data: None)
+    """The log callback, kept alive by the cache (llama.cpp holds the pointer): its chatter (model loading, INFO) is
+    dropped; its warnings and errors go to the "llama.cpp" logger at DEBUG level and are kept, for the message of a
+    call that fails (recent_problems)."""
+
+    def keep(level, text, user_data):
+        level = _last_level[0] if level == CONT else level
+        _last_level[0] = level
+        if level in (WARN, ERROR) and text:
+            line = text.decode(errors="replace").rstrip()
+            if line:
+                _recent_problems.append(line)
+                log.debug("%s", line)
+
+    return llama_cpp.llama_log_callback(keep)
+
+
+def recent_problems(clear: bool = True) -> str:
+    """What llama.cpp warned of or reported as errors lately ("" if nothing), e.g. for the message of a failed
+    llama_decode, which returns only a status code; cleared unless clear is False."""
+    lines = list(_recent_problems)
+    if clear:
+        _recent_problems.clear()
+    return "; ".join(lines[-5:])
 
 
 def default_threads() -> int:

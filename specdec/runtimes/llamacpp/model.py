@@ -16,7 +16,7 @@ from specdec.runtimes.llamacpp.context import (DEFAULT_KV_CACHE, INITIAL_CONTEXT
 from specdec.runtimes.llamacpp.kernels import LLAMA_CPP as LLAMA_CPP_KERNELS
 from specdec.runtimes.llamacpp.kernels import KernelPlan
 from specdec.runtimes.llamacpp.layouts import choose_layouts
-from specdec.runtimes.llamacpp.library import default_threads, library
+from specdec.runtimes.llamacpp.library import default_threads, library, recent_problems
 
 
 class LlamaCppModel:
@@ -52,9 +52,12 @@ class LlamaCppModel:
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
         params.use_extra_bufts = self.repack
+        recent_problems()
         self.handle = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self.handle:
-            raise ValueError(f"llama.cpp could not load {self.path}: not a GGUF language model it supports")
+            said = recent_problems()
+            raise ValueError(f"llama.cpp could not load {self.path}: not a GGUF language model it supports"
+                             + (f" (llama.cpp said: {said})" if said else ""))
         self._pools: dict[str, SlotPool] = {}  # "solo" (a pool of one, growing), "batch"; freed before the weights
         self._prefill_context: list[Context | None] = [None]
         weakref.finalize(self, _free_model, lib, self.handle, self._pools, self._prefill_context)
