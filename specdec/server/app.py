@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from specdec.generator import DEFAULT_MAX_BATCH
 from specdec.requests import ContextLengthExceeded
 from specdec.server.bodies import Body, ChatBody, CompletionBody
-from specdec.server.errors import APIError, validation_error
+from specdec.server.errors import APIError, internal_error, validation_error
 from specdec.server.limits import available_memory, choose_ctx_size
 from specdec.server.metrics import Metrics
 from specdec.server.middleware import MAX_BODY_BYTES, Authenticate, LimitBody, Observe
@@ -143,7 +143,7 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
 
     @app.exception_handler(Exception)
     async def crashed(request: Request, error: Exception) -> Response:
-        return APIError(500, f"internal error: {type(error).__name__}", kind="server_error").response()
+        return internal_error(error, "internal error").response()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:

@@ -3,8 +3,13 @@ body turned into one."""
 
 from __future__ import annotations
 
+import logging
+import secrets
+
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+
+log = logging.getLogger("specdec.server")
 
 
 class APIError(Exception):
@@ -23,11 +28,19 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def generation_failed(error: Exception) -> APIError:
-    """A request whose generation raised: a 500 that names what failed, so that its client can tell a fault of the
-    model (retry, or report it) from its own mistake. The other requests of the batch are not affected."""
-    return APIError(500, f"the generation failed: {type(error).__name__}: {error}", code="generation_failed",
-                    kind="server_error")
+def generation_failed(error: BaseException) -> APIError:
+    """A request whose generation raised: a 500 its client can tell from its own mistake (retry, or report it). The
+    message names the kind of fault and an incident id; what the exception said (paths, internals) goes to the
+    server's log under that id, not to the client. The other requests of the batch are not affected."""
+    return internal_error(error, "the generation failed", "generation_failed")
+
+
+def internal_error(error: BaseException, what: str, code: str | None = None) -> APIError:
+    """A 500 for an exception of the server's: logged whole under a new incident id, which the message names."""
+    incident = secrets.token_hex(4)
+    log.error("incident %s: %s", incident, what, exc_info=(type(error), error, error.__traceback__))
+    return APIError(500, f"{what} ({type(error).__name__}): the server's log holds the details under incident "
+                         f"{incident}", code=code, kind="server_error")
 
 
 def validation_error(error: RequestValidationError) -> APIError:
