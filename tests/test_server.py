@@ -65,6 +65,20 @@ def pending(url: str) -> int:
     return httpx.get(f"{url}/health").json()["pending"]
 
 
+def fail_once(monkeypatch, owner, name: str, error: BaseException, when) -> None:
+    """owner.name raises `error` the first time it is called on an object for which when(object) holds, and works
+    as before otherwise."""
+    real, raised = getattr(owner, name), []
+
+    def once(obj, *args, **kwargs):
+        if not raised and when(obj):
+            raised.append(1)
+            raise error
+        return real(obj, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, once)
+
+
 # ---- answers
 
 
@@ -571,15 +585,7 @@ def test_a_failing_batch_cycle_ends_its_requests_and_the_scheduler_goes_on(gener
     the model's thread survives it and serves the next request."""
     from specdec.batching import Batch
 
-    step, failures = Batch.step, []
-
-    def failing_once(batch):
-        if batch.active and not failures:
-            failures.append(1)
-            raise RuntimeError("injected fault in the batch")
-        return step(batch)
-
-    monkeypatch.setattr(Batch, "step", failing_once)
+    fail_once(monkeypatch, Batch, "step", RuntimeError("injected fault in the batch"), lambda batch: batch.active)
     with serve(create_app(generator, MODEL)) as base:
         body = {"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0}
         failed = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
@@ -597,15 +603,8 @@ def test_a_fault_outside_a_batch_step_ends_the_requests_in_flight_and_the_model_
     fault is counted in /metrics while /health stays 200."""
     from specdec.server.scheduler import Scheduler
 
-    leave, failures = Scheduler._leave, []
-
-    def failing_once(scheduler):
-        if scheduler._active and not failures:
-            failures.append(1)
-            raise RuntimeError("injected fault as a request leaves")
-        return leave(scheduler)
-
-    monkeypatch.setattr(Scheduler, "_leave", failing_once)
+    fail_once(monkeypatch, Scheduler, "_leave", RuntimeError("injected fault as a request leaves"),
+              lambda scheduler: scheduler._active)
     with serve(create_app(generator, MODEL)) as base, \
             forward_hook(generator.target, lambda *args: time.sleep(0.01)):  # still decoding at the next cycle
         body = {"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0}
@@ -623,15 +622,8 @@ def test_a_model_thread_that_ends_makes_health_503_and_the_next_request_starts_i
     says 503 and why (a load balancer stops sending), and the next request starts a new thread and is answered."""
     from specdec.server.scheduler import Scheduler
 
-    cycle, ended = Scheduler._cycle, []
-
-    def ending_once(scheduler):
-        if scheduler._active and not ended:
-            ended.append(1)
-            raise SystemExit("injected end of the model's thread")
-        return cycle(scheduler)
-
-    monkeypatch.setattr(Scheduler, "_cycle", ending_once)
+    fail_once(monkeypatch, Scheduler, "_cycle", SystemExit("injected end of the model's thread"),
+              lambda scheduler: scheduler._active)
     with serve(create_app(generator, MODEL)) as base:
         body = {"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0}
         failed = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
