@@ -59,16 +59,16 @@ demo: models-llama-cpp llama-server
 # The heaviest modules run each in a pytest process of its own and the rest in one (and the Ray cluster's tests,
 # which start and stop Ray processes, in one of theirs), so that the peak is the largest module's (the fp32 torch
 # pair: 8.6 GB), not their sum (over 20 GB in one process, issue #26: a llama.cpp model stays resident until its
-# process ends). Most tests run their models on one thread, so two lanes of those processes run side by side, one
-# per core; the default pair's llama.cpp tests, which use both cores, run after them, alone (tests/run-parts.sh).
+# process ends). Most tests run their models on one thread, so two of those processes run side by side, one per
+# core, each taking the next part when it is done (the longest first); the default pair's llama.cpp tests, which use
+# both cores, run after them, alone (tests/run-parts.sh).
 # Every part runs; any part that fails (a module missing, nothing collected: pytest's exit code 5) fails the
 # target, and Ctrl-C stops it.
 TEST_OWN_PROCESS := tests/test_llamacpp.py tests/test_real_llamacpp.py tests/test_real_models.py tests/test_cluster.py
 
 test: models
-	@SPECDEC_REQUIRE_REAL_MODELS=1 SPECDEC_GGML_INCLUDE=$(WHEELS)/include tests/run-parts.sh $(BIN)/python \
-		--lane "$(TEST_OWN_PROCESS:%=--ignore=%)" \
-		--lane tests/test_llamacpp.py tests/test_real_models.py tests/test_cluster.py \
+	@SPECDEC_REQUIRE_REAL_MODELS=1 SPECDEC_GGML_INCLUDE=$(WHEELS)/include tests/run-parts.sh $(BIN)/python --jobs 2 \
+		"$(TEST_OWN_PROCESS:%=--ignore=%)" tests/test_llamacpp.py tests/test_cluster.py tests/test_real_models.py \
 		--then tests/test_real_llamacpp.py
 
 # Tiny-model tests only: no model download.

@@ -1,21 +1,36 @@
 #!/usr/bin/env bash
-# `make test`'s runner: the suite in several pytest processes, in lanes that run side by side, then parts alone.
+# `make test`'s runner: the suite in several pytest processes, some side by side, then some alone.
 #
-#   tests/run-parts.sh PYTHON --lane PART... [--lane PART...] [--then PART...]
+#   tests/run-parts.sh PYTHON --jobs N PART... [--then PART...]
 #
 # A PART is one pytest invocation's arguments (word-split, e.g. "tests/test_cluster.py" or "--ignore=a --ignore=b").
-# The parts of a lane run one after another; the lanes run at once, each mostly on one core (most tests run their
-# models on one thread), and the --then parts run after every lane has finished, alone (their models use every core).
-# Each part's output is printed whole when it ends, with its exit status and time. Every part runs; any that fails,
+# N workers take the parts before --then in their order (the longest first balances them best), each the next one
+# left when it is free: most tests run their models on one thread, so two such processes share two cores well. The
+# --then parts run one after another once all of those have finished, alone (their models use every core). Each
+# part's output is printed whole when it ends, with its exit status and time. Every part runs; any that fails,
 # nothing collected included (pytest's exit code 5), fails the run. Ctrl-C stops every part.
 set -uo pipefail
 
-python=$1
-shift
+if [ $# -lt 3 ] || [ "$2" != --jobs ]; then
+	echo "usage: $0 PYTHON --jobs N PART... [--then PART...]" >&2
+	exit 2
+fi
+python=$1 jobs=$3
+shift 3
+together=() then=() after=
+for arg in "$@"; do
+	if [ "$arg" = --then ]; then
+		after=1
+	elif [ -n "$after" ]; then
+		then+=("$arg")
+	else
+		together+=("$arg")
+	fi
+done
 logs=$(mktemp -d)
 trap 'kill -- $(jobs -p) 2>/dev/null; rm -rf "$logs"; exit 130' INT TERM
 
-run_part() {  # run_part NAME ARGS: one pytest process; its log printed whole when it ends; "NAME rc" recorded
+run_part() {  # run_part NAME ARGS: one pytest process; its log printed whole when it ends; its exit status kept
 	local name=$1 args=$2 started=$SECONDS rc
 	# shellcheck disable=SC2086  # the part's arguments are word-split on purpose
 	"$python" -m pytest -q -p no:cacheprovider $args >"$logs/$name.log" 2>&1
@@ -28,46 +43,29 @@ run_part() {  # run_part NAME ARGS: one pytest process; its log printed whole wh
 	echo "$rc $args" >"$logs/$name.rc"
 }
 
-run_lane() {  # run_lane LANE PART...: the parts one after another
-	local lane=$1 i=0
-	shift
-	for part in "$@"; do
-		run_part "$lane-$i" "$part"
-		i=$((i + 1))
+worker() {  # take the next part not yet taken (a counter under a lock) until none is left
+	local next
+	while :; do
+		{
+			flock 8
+			next=$(cat "$logs/.next")
+			echo $((next + 1)) >"$logs/.next"
+		} 8>"$logs/.take"
+		[ "$next" -lt ${#together[@]} ] || return 0
+		run_part "part$next" "${together[next]}"
 	done
 }
 
-lanes=() then=() current=-1
-for arg in "$@"; do
-	case $arg in
-	--lane) current=$((current + 1)); lanes[current]="" ;;
-	--then) current=then ;;
-	*)
-		if [ "$current" = then ]; then
-			then+=("$arg")
-		elif [ "$current" -ge 0 ]; then
-			lanes[current]+="$arg"$'\n'
-		else
-			echo "run-parts.sh: a part before the first --lane or --then: $arg" >&2
-			exit 2
-		fi
-		;;
-	esac
-done
-
-for lane in "${!lanes[@]}"; do
-	mapfile -t parts < <(printf '%s' "${lanes[lane]}")
-	run_lane "lane$lane" "${parts[@]}" &
+echo 0 >"$logs/.next"
+for _ in $(seq "$jobs"); do
+	worker &
 done
 wait
-if [ ${#then[@]} -gt 0 ]; then
-	run_lane then "${then[@]}"
-fi
-
-expected=${#then[@]}
-for lane in "${!lanes[@]}"; do
-	expected=$((expected + $(printf '%s' "${lanes[lane]}" | grep -c '')))
+for i in "${!then[@]}"; do
+	run_part "then$i" "${then[i]}"
 done
+
+expected=$((${#together[@]} + ${#then[@]}))
 finished=$(find "$logs" -name '*.rc' | wc -l)
 failed=$(cat "$logs"/*.rc 2>/dev/null | awk '$1 != 0 { $1 = ""; print "[" substr($0, 2) "]" }')
 rm -rf "$logs"

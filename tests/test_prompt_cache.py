@@ -222,9 +222,9 @@ def test_a_conversation_and_an_agent_loop_answer_as_a_server_without_the_cache_d
     gen = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=64)
     with serve(create_app(gen, "smollm")) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-        sent = conversation_requests(client, INSTRUCTIONS[:1200], 5, settings) + agent_requests(client, 4, settings)
+        sent = conversation_requests(client, INSTRUCTIONS[:1200], 3, settings) + agent_requests(client, 3, settings)
         metrics = httpx.get(f"{url}/metrics").text
-    assert sum(answer["cached"] > 0 for _, answer in sent) >= 6  # turns 2-5 and agent steps 2-4 reuse blocks
+    assert sum(answer["cached"] > 0 for _, answer in sent) >= 4  # turns 2-3 and agent steps 2-3 reuse blocks
     assert "specdec_prompt_cache_hits_total" in metrics and "specdec_prompt_cache_bytes" in metrics
     hits = next(float(line.split()[-1]) for line in metrics.splitlines()
                 if line.startswith("specdec_prompt_cache_hits_total"))
@@ -246,7 +246,7 @@ def test_eight_concurrent_conversations_over_a_budget_that_evicts_answer_as_with
     with serve(create_app(gen, "smollm", max_batch=8)) as url, ThreadPoolExecutor(8) as pool:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         sent = [request for conversation in pool.map(
-            lambda opening: conversation_requests(client, opening, 3, SETTINGS["greedy"]), openings)
+            lambda opening: conversation_requests(client, opening, 2, SETTINGS["greedy"]), openings)
             for request in conversation]
     assert gen.prompt_cache.stats.evictions > 0 and gen.prompt_cache.stats.bytes <= 6 * block_bytes
     cold = replayed_on_a_server_without_the_cache(model, tokenizer, sent, SETTINGS["greedy"])
