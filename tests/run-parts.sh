@@ -28,12 +28,19 @@ for arg in "$@"; do
 	fi
 done
 logs=$(mktemp -d)
-trap 'kill -- $(jobs -p) 2>/dev/null; rm -rf "$logs"; exit 130' INT TERM
+stop() {  # Ctrl-C or TERM: every pytest process (their pids are kept in $logs), then the workers
+	kill $(cat "$logs"/*.pid 2>/dev/null) $(jobs -p) 2>/dev/null
+	rm -rf "$logs"
+	exit 130
+}
+trap stop INT TERM
 
 run_part() {  # run_part NAME ARGS: one pytest process; its log printed whole when it ends; its exit status kept
 	local name=$1 args=$2 started=$SECONDS rc
 	# shellcheck disable=SC2086  # the part's arguments are word-split on purpose
-	"$python" -m pytest -q -p no:cacheprovider $args >"$logs/$name.log" 2>&1
+	"$python" -m pytest -q -p no:cacheprovider $args >"$logs/$name.log" 2>&1 &
+	echo $! >"$logs/$name.pid"
+	wait $!
 	rc=$?
 	{
 		flock 9
