@@ -78,11 +78,11 @@ class Detokenizer:
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.sent = 0  # characters of the decoded text already emitted
-        # The text of ids[:_read] (it ended in whole characters), and of a few tokens before _read decoded from
-        # ids[_window] on: each step decodes from _window only, not the whole output again (that was quadratic in
-        # its length). A tokenizer decodes a token by its neighbours (a leading space dropped at the start of a
-        # decode), so new text is what decoding from _window gives beyond what it gave for ids[_window:_read].
-        self._text, self._read, self._window, self._window_text = "", 0, 0, ""
+        # The text of the ids up to the last step that ended in whole characters, and of its last few tokens decoded
+        # from ids[_window] on: each step decodes from _window only, not the whole output again (that was quadratic
+        # in its length). A tokenizer decodes a token by its neighbours (a leading space dropped at the start of a
+        # decode), so new text is what decoding from _window gives beyond _window_text.
+        self._text, self._window, self._window_text = "", 0, ""
 
     def add(self, tokens: list[int]) -> tuple[str, int, bool]:
         """-> (text safe to emit now, how many of tokens to keep, whether a stop string was reached: then generation
@@ -120,8 +120,7 @@ class Detokenizer:
         window of the last few tokens."""
         if text.endswith("\ufffd"):
             return
-        self._text, self._read = text, len(self.ids)
-        self._window = max(0, self._read - DECODE_WINDOW)
+        self._text, self._window = text, max(0, len(self.ids) - DECODE_WINDOW)
         self._window_text = self.tokenizer.decode(self.ids[self._window:], skip_special_tokens=True)
 
     def _stop_in(self, text: str) -> int | None:
