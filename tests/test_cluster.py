@@ -422,11 +422,14 @@ def test_sigterm_drains_and_leaves_no_ray_process_behind(cluster):
     """SIGTERM, as a service manager or `kill` sends it (Ctrl-C's SIGINT takes the same path)."""
     cluster.note_processes()
     assert len(cluster.descendants) > 3  # Ray's own processes and the replicas
-    with ThreadPoolExecutor(1) as pool:
-        in_flight = pool.submit(ask, cluster.client(), {"prompt": "def fibonacci(n):", "max_tokens": 32})
-        time.sleep(1)
-        cluster.process.send_signal(signal.SIGTERM)
-        assert in_flight.result(timeout=120)  # drained: the request in flight was answered
+    stream = cluster.client().completions.create(model=MODEL, prompt="def fibonacci(n):", max_tokens=160,
+                                                 temperature=0, stream=True)  # seconds of decoding
+    chunks = iter(stream)
+    first = next(chunks)  # the request is in flight on a replica
+    cluster.process.send_signal(signal.SIGTERM)
+    rest = list(chunks)  # drained: the answer goes on to its end
+    text = "".join(chunk.choices[0].text for chunk in [first, *rest] if chunk.choices)
+    assert [chunk.choices[0].finish_reason for chunk in rest if chunk.choices][-1] == "length", text
     assert cluster.process.wait(timeout=120) == 0
     deadline = time.monotonic() + 30
     while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in cluster.descendants):

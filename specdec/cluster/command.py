@@ -58,7 +58,12 @@ def run_replicated(args) -> int:
               flush=True)
         threading.Event().wait()
     except KeyboardInterrupt:
-        print("specdec: draining the replicas (requests in flight finish) and stopping", file=sys.stderr, flush=True)
+        print("specdec: draining (requests in flight finish, up to --request-timeout; Ctrl-C again stops at once)",
+              file=sys.stderr, flush=True)
+        # Deleting the application first drains it: Ray stops the front and the replicas once their requests in
+        # flight are answered, while its HTTP proxy stays up to send those answers. serve.shutdown alone kills the
+        # proxy at once and cuts every connection.
+        serve.delete(APP_NAME)
     finally:
         try:
             serve.shutdown()

@@ -93,7 +93,9 @@ def application(flags: argparse.Namespace, replicas: int | None = None, min_repl
         request_router_config=RequestRouterConfig(
             request_router_class=PREFIX_ROUTER,
             request_router_kwargs={"imbalanced_threshold": threshold, "do_eviction": True}))
-    return Front.bind(replica.bind(settings))
+    # The front holds every request in flight too: on shutdown it waits for them as the replicas do.
+    front = Front.options(graceful_shutdown_wait_loop_s=1.0, graceful_shutdown_timeout_s=flags.request_timeout)
+    return front.bind(replica.bind(settings))
 
 
 def app_builder(args: dict) -> serve.Application:
