@@ -35,7 +35,11 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     """Warp logits [..., vocab] into a probability distribution [..., vocab] for sampling (temperature > 0)."""
     if config.greedy:
         raise ValueError("greedy decoding uses argmax of the logits, not probabilities")
-    logits = logits.float() / config.temperature
+    logits = logits.float()
+    # Shifted so that the largest is 0 before the division, and divided by no less than float32's smallest normal
+    # number: a tiny temperature then sends the others to -inf, not the largest to inf or 0/0 (NaN in the softmax)
+    temperature = max(config.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if config.top_k is not None and config.top_k < logits.shape[-1]:
         kth_largest = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
@@ -43,8 +47,10 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     if config.top_p is not None and config.top_p < 1:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # A token survives when the tokens ranked above it hold less than top_p: the most likely one always does.
+        # A token survives when the tokens ranked above it hold less than top_p, and the most likely one always does
+        # (said outright: a top_p below float32's smallest number compares as 0 against the float32 masses)
         drop_sorted = mass_before >= config.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)

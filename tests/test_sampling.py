@@ -46,6 +46,10 @@ def test_top_k_and_top_p_keep_what_they_should():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
     assert (logits_to_probs(logits, SamplingConfig(1.0, top_k=2)) > 0).tolist() == [[True, True, False, False, False]]
     assert logits_to_probs(logits, SamplingConfig(1.0, top_p=1e-6)).tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+    # a top_p that float32 rounds to 0 (found by the API fuzzer: a NaN distribution, a 500) keeps the top token too
+    assert logits_to_probs(logits, SamplingConfig(1.0, top_p=5e-324)).tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
+    # so does a temperature so small that the logits divided by it overflow
+    assert logits_to_probs(logits, SamplingConfig(5e-324)).tolist() == [[1.0, 0.0, 0.0, 0.0, 0.0]]
     assert (logits_to_probs(logits, SamplingConfig(1.0, top_k=50)) > 0).all()  # top_k beyond the vocabulary: all
     probs = logits_to_probs(logits, SamplingConfig(1.0))
     # top_p = the mass of the two most likely tokens exactly: the third is ranked after tokens holding top_p.
