@@ -403,7 +403,8 @@ def test_metrics_parse_and_move(url, client):
 def test_api_key_is_enforced_except_on_health(generator):
     with serve(create_app(generator, MODEL, api_key=KEY)) as base:
         assert httpx.get(f"{base}/health").status_code == 200
-        for path in ["/v1/models", "/metrics"]:
+        for path in ["/v1/models", "/metrics", "/docs", "/openapi.json", "/v1/specdec/plan"]:
+            assert httpx.get(f"{base}{path}", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200, path
             for headers in [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}]:
                 response = httpx.get(f"{base}{path}", headers=headers)
                 assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
