@@ -704,6 +704,24 @@ def test_ctx_size_flag_reaches_the_app_and_a_bad_one_is_refused_at_start(monkeyp
     assert "(default: what memory allows" in " ".join(capsys.readouterr().out.split())
 
 
+def test_an_api_key_file_gives_several_keys_and_a_bad_one_is_refused_before_loading(generator, tmp_path):
+    from specdec.server.command import api_keys, check_serve_args, serve_arguments
+
+    keys = tmp_path / "keys"
+    keys.write_text("# one key a line\nalice-key\n\n  bob-key  \n")
+    args = serve_arguments(["--api-key", "ops-key", "--api-key-file", str(keys)])
+    assert api_keys(args) == ["ops-key", "alice-key", "bob-key"]
+    with serve(create_app(generator, MODEL, api_key=api_keys(args))) as base:
+        for key in ("ops-key", "alice-key", "bob-key"):
+            assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        for wrong in ("# one key a line", "carol-key", "alice-key bob-key", "ops-keyalice-key"):
+            assert httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {wrong}"}).status_code == 401
+    (tmp_path / "empty").write_text("# nothing yet\n\n")
+    for path, says in [(tmp_path / "empty", "holds no key"), (tmp_path / "missing", "cannot read it")]:
+        with pytest.raises(ValueError, match=says):
+            check_serve_args(serve_arguments(["--api-key-file", str(path)]))
+
+
 def test_an_unauthenticated_upload_gets_401_before_its_body_is_read(generator):
     """Authentication comes before the body limit: a client without the key gets 401 and the server never reads (let
     alone buffers) its chunked body, however large."""

@@ -5,6 +5,7 @@ request and its answer."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -107,10 +108,12 @@ class Service:
         return JSONResponse(reply.whole("".join(texts), token_ids, last))
 
 
-def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | None = None,
+def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | Sequence[str] | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_batch: int = DEFAULT_MAX_BATCH, ctx_size: int | None = None,
                request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S) -> FastAPI:
     """An OpenAI-compatible app serving `generator` under `model_name` (the `model` clients must send).
+
+    api_key: the key, or keys, of which every route but /health needs one (None or none: no key asked for).
 
     ctx_size: the tokens one request may hold, prompt and completion (default: what memory allows, limits.
     choose_ctx_size); a ctx_size or max_batch whose KV caches cannot fit is refused here (ValueError).
@@ -125,8 +128,9 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
     # Added innermost first: Observe(Authenticate(LimitBody(app))), so that a client without the key is refused
     # before its body is read, and 401s and 413s are counted too.
     app.add_middleware(LimitBody, max_bytes=MAX_BODY_BYTES)
-    if api_key:
-        app.add_middleware(Authenticate, api_key=api_key)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if keys:
+        app.add_middleware(Authenticate, api_keys=keys)
     app.add_middleware(Observe, metrics=service.metrics)
 
     @app.exception_handler(APIError)

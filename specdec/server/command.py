@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from specdec.cluster.options import CLUSTER_FLAGS, add_cluster_args
 from specdec.generator import DEFAULT_MAX_BATCH
@@ -25,6 +26,10 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                         help="require `Authorization: Bearer KEY` on every route but /health "
                              "(default: $SPECDEC_API_KEY, else no key)")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help="accept any of the keys in FILE, one a line (blank lines and lines starting with # are "
+                             "skipped), beside --api-key: several clients with keys of their own, and no key on the "
+                             "command line")
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                         help="requests decoded together, each drafting with its own fork of the drafter, their "
                              "target passes fused where the runtime can; 1 serves one at a time. Refused at start "
@@ -62,8 +67,24 @@ def app_from_args(args):
     uvicorn and every Ray Serve replica runs in its own process (specdec.cluster). Bad flags: ValueError."""
     check_serve_args(args)
     generator = generator_from_args(args, args.prompt_cache_mb)  # loaded once, shared by every request
-    return create_app(generator, args.model_name or args.target, args.api_key, args.max_queue, args.max_batch,
+    return create_app(generator, args.model_name or args.target, api_keys(args), args.max_queue, args.max_batch,
                       ctx_size=args.ctx_size, request_timeout=args.request_timeout)
+
+
+def api_keys(args) -> list[str]:
+    """The keys the server accepts: --api-key and the lines of --api-key-file (none: no key is asked for)."""
+    keys = [args.api_key] if args.api_key else []
+    path = getattr(args, "api_key_file", None)
+    if path:
+        try:
+            lines = Path(path).expanduser().read_text().splitlines()
+        except OSError as error:
+            raise ValueError(f"--api-key-file {path}: cannot read it ({error.strerror or error})") from None
+        found = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not found:
+            raise ValueError(f"--api-key-file {path} holds no key: write one key a line")
+        keys += found
+    return keys
 
 
 def check_serve_args(args) -> None:
@@ -73,6 +94,7 @@ def check_serve_args(args) -> None:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
+    api_keys(args)  # a key file that cannot be read or holds no key: refused before the models load
 
 
 def run_serve(args) -> int:
@@ -92,6 +114,6 @@ def run_serve(args) -> int:
 
 
 def warn_if_open(args) -> None:
-    if not args.api_key and args.host not in LOCAL_HOSTS:
+    if not args.api_key and not getattr(args, "api_key_file", None) and args.host not in LOCAL_HOSTS:
         print(f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
