@@ -80,7 +80,7 @@ def api_keys(args) -> list[str]:
             lines = Path(path).expanduser().read_text().splitlines()
         except OSError as error:
             raise ValueError(f"--api-key-file {path}: cannot read it ({error.strerror or error})") from None
-        found = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        found = [key for key in map(str.strip, lines) if key and not key.startswith("#")]
         if not found:
             raise ValueError(f"--api-key-file {path} holds no key: write one key a line")
         keys += found
