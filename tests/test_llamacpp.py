@@ -126,20 +126,32 @@ def test_logits_of_a_run_equal_one_token_at_a_time_up_to_the_calibrated_width(mo
 
 @pytest.fixture(scope="module")
 def f16_cache_model(gguf_path):
-    """The same weights over llama.cpp's default f16 KV cache, whose one-token passes split attention across threads
-    past 512 cached tokens (with one thread the split changes nothing: two are needed to see it)."""
-    return llamacpp.LlamaCppModel(gguf_path, threads=2, kv_cache="f16")
+    """The same weights over an f16 KV cache whose one-token passes split attention across threads past 512 cached
+    tokens, as llama.cpp does as released (with one thread the split changes nothing: two are needed to see it)."""
+    return llamacpp.LlamaCppModel(gguf_path, threads=2, kv_cache="f16", attention_split=True)
 
 
 def test_negative_control_an_f16_cache_is_caught_past_512_tokens(model, f16_cache_model):
-    """The calibration and the test above can see the defect they guard against: over an f16 cache, passes of 2+
-    tokens differ from one-token passes at a long context, and the calibration narrows verification to one token."""
+    """The calibration and the test above can see the defect they guard against: over an f16 cache with llama.cpp's
+    split attention, passes of 2+ tokens differ from one-token passes at a long context, and the calibration narrows
+    verification to one token."""
     _, tokenizer = model
     differences = passes_equal_one_token_passes(f16_cache_model, tokenizer, long_text_ids(tokenizer, 708), 8)
     assert all(d > 0 for d in differences.values()), differences
     widths = f16_cache_model.exact_widths
     assert widths[16] >= 3 and widths[600] == 1
     assert f16_cache_model.verify_width(16) == 1  # the narrowest width found at any calibrated length holds for all
+
+
+def test_with_the_split_off_an_f16_cache_is_exact_past_512_tokens_on_two_threads(gguf_path, model):
+    """What the default cache runs: f16 with the patch's split off (LlamaCppModel.attention_split=False). The same
+    passes as in the negative control above, on the two threads that showed the split there, equal one-token passes
+    bit for bit."""
+    _, tokenizer = model
+    unsplit = llamacpp.LlamaCppModel(gguf_path, threads=2, kv_cache="f16")
+    assert llamacpp.DEFAULT_KV_CACHE == "f16" and not unsplit.attention_split
+    differences = passes_equal_one_token_passes(unsplit, tokenizer, long_text_ids(tokenizer, 708), 8)
+    assert all(d == 0 for d in differences.values()), differences
 
 
 def test_where_no_pass_is_exact_the_engine_verifies_one_token_at_a_time_and_says_so(model, f16_cache_model,

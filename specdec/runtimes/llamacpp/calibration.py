@@ -37,8 +37,8 @@ def cached(model: LlamaCppModel, kind: str, measure) -> dict:
     """measure(model), cached per model file, llama.cpp build, CPU, threads, cache type, weight layouts and kernel
     plan (so that what was measured under one plan is never read under another)."""
     plan = model.kernel_plan
-    return cached_json(model.path, kind, f"{model.threads}|{model.kv_cache}|{model.repack}|{plan.key}",
-                        lambda: measure(model), {"threads": model.threads, "kv_cache": model.kv_cache,
+    return cached_json(model.path, kind, f"{model.threads}|{model.kv_setting}|{model.repack}|{plan.key}",
+                        lambda: measure(model), {"threads": model.threads, "kv_cache": model.kv_setting,
                                                  "repack": model.repack, "kernel_plan": plan.describe()})
 
 

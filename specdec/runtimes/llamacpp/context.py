@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from specdec.runtimes.llamacpp.kernels import apply_attention_split
 from specdec.runtimes.llamacpp.library import library, recent_problems
 
 if TYPE_CHECKING:
@@ -33,12 +34,14 @@ PREFILL_BLOCK = 128
 
 # KV cache element types (ggml_type). ggml's flash attention over an f16 or f32 cache of 512+ cells splits a one-token
 # pass across threads and merges partial softmaxes, while wider passes run each row in one sequential sweep, so past
-# ~512 tokens a verify pass no longer reproduces one-token passes. Over any other cache type every pass takes the
-# sequential sweep, whatever its width and the context length (measurements: BENCHMARKS.md, "KV cache types").
-# Without flash attention the K.Q products take width-dependent matrix kernels instead.
+# ~512 tokens a verify pass would no longer reproduce one-token passes: specdec's patch lets a model's passes turn
+# the split off (LlamaCppModel.attention_split), and then every pass of up to 63 tokens takes the sequential sweep,
+# whatever its width and the context length, over any of these types. Passes of 64+ tokens (a prompt's blocks) take
+# ggml's tiled kernel over f16 and f32 caches, 1.2-1.5x faster on prompts than the sweep over a q8_0 one (BENCHMARKS.md,
+# "KV cache types"). Without flash attention the K.Q products take width-dependent matrix kernels instead.
 KV_CACHE_TYPES = {"f16": 1, "bf16": 30, "q8_0": 8}
 KV_CACHE_BYTES = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # bytes per cached element (q8_0: 32 int8 + an f16 scale)
-DEFAULT_KV_CACHE = "q8_0"  # as exact as bf16, half the bytes per cached token (BENCHMARKS.md, "KV cache types")
+DEFAULT_KV_CACHE = "f16"  # llama.cpp's default: the fastest prompts, exact with the split off
 
 
 # Held over each pass with its kernel plan in force. The plan is a setting of the whole library, so two threads
@@ -134,6 +137,7 @@ def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, in
     batch.n_tokens = len(entries)
     with PASS_LOCK:  # the plan is one setting of the library: no other thread's pass may change it mid-pass
         plan.apply()
+        apply_attention_split(model.attention_split)
         recent_problems()  # (what llama.cpp reports from here on is this pass's)
         status = lib.llama_decode(context.ctx, batch)
     if status != 0:

@@ -119,7 +119,26 @@ def loaded_library() -> ctypes.CDLL:
                                                  ctypes.POINTER(ctypes.c_int)]
     library.ggml_cpu_set_kernel_plan.restype = None
     library.ggml_cpu_kernel_flags_available.restype = ctypes.c_int
+    if not hasattr(library, "ggml_cpu_set_flash_attn_split"):
+        raise RuntimeError("the installed llama-cpp-python has an older build of specdec's kernel patch (native/): run "
+                           "`make setup`, which builds the current one for this CPU")
+    library.ggml_cpu_set_flash_attn_split.argtypes = [ctypes.c_int]
+    library.ggml_cpu_set_flash_attn_split.restype = None
     return library
+
+
+_attention_split: bool | None = None  # what the library was last told (None: nothing yet, it splits as released)
+
+
+def apply_attention_split(split: bool) -> None:
+    """Whether the library's next one-token passes over an f16 cache of 512+ cells may split attention across threads
+    (llama.cpp as released) or sweep each row in one pass, as wider passes do, so that a verify pass reproduces them
+    at any context length (native/llama.cpp-verify-columns.patch, ggml_cpu_set_flash_attn_split). A no-op when the
+    library already does."""
+    global _attention_split
+    if _attention_split is not split:
+        loaded_library().ggml_cpu_set_flash_attn_split(int(split))
+        _attention_split = split
 
 
 def multi_column_kernels() -> bool:

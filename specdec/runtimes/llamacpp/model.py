@@ -26,10 +26,14 @@ class LlamaCppModel:
     were faster on this CPU (layouts.choose_layouts: which wins differs between CPUs, and the repacked layouts crashed
     llama.cpp on one). prefill_repack: prompts in the other layout where that was measured faster for them ("auto"),
     a layout, or None (prompts in the model's own); the prompt's KV cache is then copied into the sequence's slot.
+    attention_split: one-token passes over an f16 cache of 512+ cells split attention across threads, as llama.cpp
+    does as released; verify passes then cannot reproduce them there (the calibration narrows verification to one
+    token). Off by default: every pass sweeps each row in one pass (context.KV_CACHE_TYPES).
     """
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, kv_cache: str = DEFAULT_KV_CACHE,
-                 repack: bool | str = "auto", prefill_repack: bool | str | None = "auto"):
+                 repack: bool | str = "auto", prefill_repack: bool | str | None = "auto",
+                 attention_split: bool = False):
         lib = library()
         self.path = Path(path)
         if not self.path.is_file():
@@ -40,6 +44,7 @@ class LlamaCppModel:
         if kv_cache not in KV_CACHE_TYPES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
         self.kv_cache = kv_cache
+        self.attention_split = attention_split
         if repack not in (True, False, "auto"):
             raise ValueError(f"repack must be True, False or 'auto', got {repack!r}")
         if prefill_repack not in (True, False, None, "auto"):
@@ -78,9 +83,15 @@ class LlamaCppModel:
         # How its sequence states lay out their rows, for the prompt cache's blocks (kv_blocks.split learns it)
         self.kv_format: kv_blocks.StateFormat | None = None
         self.prefill_model = None if prefill_repack is None else LlamaCppModel(
-            self.path, self.threads, kv_cache, repack=prefill_repack, prefill_repack=None)
+            self.path, self.threads, kv_cache, repack=prefill_repack, prefill_repack=None,
+            attention_split=attention_split)
         if self.prefill_model is not None:  # its passes are prompts (a last piece of one can be short): as released
             self.prefill_model._kernel_plan = KernelPlan.uniform(LLAMA_CPP_KERNELS)
+
+    @property
+    def kv_setting(self) -> str:
+        """The cache type, and whether one-token passes split attention, as calibrations are keyed."""
+        return f"{self.kv_cache}, attention split" if self.attention_split else self.kv_cache
 
     # ---- calibrations (each measured once per model file and machine, then cached: specdec.runtimes.llamacpp.calibration)
 
@@ -96,9 +107,9 @@ class LlamaCppModel:
             from specdec.runtimes.llamacpp.kernels import measure_kernel_plan
 
             self._measured["kernel-plan"] = calibration.cached_json(
-                self.path, "kernel-plan", f"{self.threads}|{self.kv_cache}|{self.repack}",
+                self.path, "kernel-plan", f"{self.threads}|{self.kv_setting}|{self.repack}",
                 lambda: measure_kernel_plan(self),
-                {"threads": self.threads, "kv_cache": self.kv_cache, "repack": self.repack})
+                {"threads": self.threads, "kv_cache": self.kv_setting, "repack": self.repack})
         return self._measured["kernel-plan"]
 
     @property
