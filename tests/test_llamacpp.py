@@ -143,12 +143,13 @@ def test_negative_control_an_f16_cache_is_caught_past_512_tokens(model, f16_cach
     assert f16_cache_model.verify_width(16) == 1  # the narrowest width found at any calibrated length holds for all
 
 
-def test_with_the_split_off_an_f16_cache_is_exact_past_512_tokens_on_two_threads(gguf_path, model):
+def test_with_the_split_off_an_f16_cache_is_exact_past_512_tokens_on_two_threads(gguf_path, model, f16_cache_model):
     """What the default cache runs: f16 with the patch's split off (LlamaCppModel.attention_split=False). The same
     passes as in the negative control above, on the two threads that showed the split there, equal one-token passes
     bit for bit."""
     _, tokenizer = model
     unsplit = llamacpp.LlamaCppModel(gguf_path, threads=2, kv_cache="f16")
+    unsplit._kernel_plan = f16_cache_model.kernel_plan  # the same matrix kernels (not calibrated again)
     assert llamacpp.DEFAULT_KV_CACHE == "f16" and not unsplit.attention_split
     differences = passes_equal_one_token_passes(unsplit, tokenizer, long_text_ids(tokenizer, 708), 8)
     assert all(d == 0 for d in differences.values()), differences
@@ -661,6 +662,26 @@ def test_specdec_kernels_shows_and_writes_the_plan_and_every_candidates_times(gg
     layouts = written["layouts"]  # the times of both layouts, or the crash that chose the plain one
     assert written["machine"]["cpu"]
     assert "one_token_s" in layouts or layouts["worker_exit_code"] and not layouts["repack"]
+    assert written["kv_caches"] is None
+
+
+def test_specdec_kernels_times_the_kv_cache_settings(gguf_path, tmp_path, capsys):
+    import json
+
+    from specdec import cli
+
+    out = tmp_path / "kv.json"
+    assert cli.main(["kernels", "--target", gguf_path, "--threads", "1", "--kv-caches", "--prompt-tokens", "40",
+                     "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    found = json.loads(out.read_text())["kv_caches"]
+    assert found["contexts"] == [16] and set(found["prompt_s"]) == {"q8_0", "f16"}
+    assert all(s > 0 for s in found["prompt_s"].values())
+    assert set(found["one_token_ms"]) == {"q8_0", "f16", "f16, attention split"}
+    assert all(len(ms) == 1 and ms[0] > 0 for ms in found["one_token_ms"].values())
+    assert "f16, attention split" in printed and "prompt of 40 tokens" in printed
+    with pytest.raises(SystemExit, match="--prompt-tokens must be at least 2"):
+        cli.main(["kernels", "--target", gguf_path, "--threads", "1", "--kv-caches", "--prompt-tokens", "1"])
 
 
 def test_special_token_text_in_a_message_is_plain_text_not_a_forged_turn(model, baseline):

@@ -17,7 +17,68 @@ def add_kernels_parser(subparsers) -> None:
     parser.add_argument("--target", default=None, help="registry name or .gguf file (default: the default target)")
     parser.add_argument("--threads", type=int, default=None, help="llama.cpp threads (default: every core)")
     parser.add_argument("--out", default=None, help="also write it all to this JSON file")
+    parser.add_argument("--kv-caches", action="store_true",
+                        help="also time the KV cache settings (q8_0; f16, specdec's, with ggml's split attention "
+                             "off; f16 with it on, as llama.cpp is released): a --prompt-tokens prompt and one-token "
+                             "passes after 16, 600, 2000 and 4000 cached tokens (those below --prompt-tokens)")
+    parser.add_argument("--prompt-tokens", type=int, default=4096,
+                        help="the prompt --kv-caches times (default: %(default)s)")
     parser.set_defaults(func=run_kernels)
+
+
+KV_SETTINGS = (("q8_0", False), ("f16", False), ("f16", True))  # (cache type, whether one-token passes split attention)
+KV_CONTEXTS = (16, 600, 2000, 4000)  # cached tokens before the timed one-token passes
+
+
+def time_kv_caches(model, prompt_tokens: int, repeats: int = 7) -> dict:
+    """Each KV cache setting on model's file and threads: the seconds of a prompt_tokens prompt (prefilled as every
+    prompt is, in its blocks) and the median one-token pass after each of KV_CONTEXTS below it, settings
+    interleaved, all under model's kernel plan."""
+    import statistics
+    import time
+
+    from specdec.runtimes.llamacpp import LlamaCppModel
+    from specdec.runtimes.llamacpp.calibration import private_runner, probe_tokens
+
+    contexts = [c for c in KV_CONTEXTS if c < prompt_tokens]
+    models = {kind: LlamaCppModel(model.path, model.threads, kv_cache=kind) for kind in dict(KV_SETTINGS)}
+    for loaded in models.values():  # the same matrix kernels in all: what differs is the attention over the cache
+        loaded._kernel_plan = model.kernel_plan
+    tokens = probe_tokens(model, prompt_tokens + 1)
+    runners = {kind: private_runner(loaded, prompt_tokens + 1) for kind, loaded in models.items()}
+    prompt_s = {}
+    for kind, runner in runners.items():
+        started = time.perf_counter()
+        runner.forward(tokens[:, :prompt_tokens], last_only=True)
+        prompt_s[kind] = time.perf_counter() - started
+    one_token = {(kind, split, c): [] for kind, split in KV_SETTINGS for c in contexts}
+    for _ in range(repeats):
+        for c in contexts:
+            for kind, split in KV_SETTINGS:
+                models[kind].attention_split = split
+                runners[kind].rollback(c)
+                started = time.perf_counter()
+                runners[kind].forward(tokens[:, c:c + 1])
+                one_token[(kind, split, c)].append(time.perf_counter() - started)
+    models["f16"].attention_split = False
+    return {"prompt_tokens": prompt_tokens, "prompt_s": prompt_s, "contexts": contexts,
+            "one_token_ms": {_kv_name(kind, split): [1e3 * statistics.median(one_token[(kind, split, c)])
+                                                     for c in contexts] for kind, split in KV_SETTINGS}}
+
+
+def _kv_name(kind: str, split: bool) -> str:
+    return f"{kind}, attention split" if split else kind
+
+
+def print_kv_caches(found: dict) -> None:
+    contexts = " / ".join(map(str, found["contexts"]))
+    print(f"KV cache                 prompt of {found['prompt_tokens']} tokens    one-token pass (ms) after {contexts} "
+          "cached tokens")
+    for kind, split in KV_SETTINGS:
+        name = _kv_name(kind, split)
+        prompt = f"{found['prompt_s'][kind]:7.1f} s ({found['prompt_tokens'] / found['prompt_s'][kind]:5.1f} tokens/s)"
+        print(f"{name:<24} {prompt if not split else '(its prompt: as f16)':<27} "
+              + " / ".join(f"{ms:.1f}" for ms in found["one_token_ms"][name]))
 
 
 def run_kernels(args) -> int:
@@ -44,10 +105,19 @@ def run_kernels(args) -> int:
         for layout, by_kernel in layouts["one_token_s_by_kernel"].items():
             print(f"one-token pass, {layout} layout: " + ", ".join(f"{name} {s * 1e3:.1f} ms"
                                                                for name, s in by_kernel.items()))
+    kv_caches = None
+    if args.kv_caches:
+        if args.prompt_tokens < 2:
+            raise SystemExit(f"--prompt-tokens must be at least 2, got {args.prompt_tokens}")
+        print(f"timing the KV cache settings ({args.prompt_tokens}-token prompt, then one-token passes) ...")
+        kv_caches = time_kv_caches(model, args.prompt_tokens)
+        print_kv_caches(kv_caches)
     if args.out:
-        save({"command": " ".join(["specdec", "kernels", *(f"--target {args.target}".split() if args.target else [])]),
+        command = ["specdec", "kernels", *(f"--target {args.target}".split() if args.target else []),
+                   *(["--kv-caches", "--prompt-tokens", str(args.prompt_tokens)] if args.kv_caches else [])]
+        save({"command": " ".join(command),
               "machine": machine_info(), "kernel_patch": kernel_patch_hash(), "model": model.path.name,
               "threads": model.threads, "repack": model.repack, "plan": model.kernel_plan.describe(),
-              "calibration": found, "layouts": layouts}, Path(args.out))
+              "calibration": found, "layouts": layouts, "kv_caches": kv_caches}, Path(args.out))
         print(f"wrote {args.out}")
     return 0
