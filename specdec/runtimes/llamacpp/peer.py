@@ -33,9 +33,13 @@ class LlamaCppPythonPeer:
     its prompt-lookup speculation.
     """
 
-    def __init__(self, model_path: str, settings: dict, lookup_tokens: int | None = None, repack: bool = True):
-        """repack: llama.cpp's default weight layouts (True) or, as specdec's runtime loads them, not (False)."""
+    def __init__(self, model_path: str, settings: dict, lookup_tokens: int | None = None, repack: bool = True,
+                 attention_split: bool = True):
+        """repack: llama.cpp's default weight layouts (True) or, as specdec's runtime loads them, not (False).
+        attention_split: one-token passes over an f16 cache of 512+ cells split attention across threads as released
+        (True) or, as specdec's runtime runs them, not (False; specdec's patch)."""
         self.model_path, self.settings, self.lookup_tokens = model_path, settings, lookup_tokens
+        self.attention_split = attention_split
         self.repack = repack  # turned off after a crash
         self.crash: str | None = None  # what the default layouts did, for the report
         self._process = self._connection = None
@@ -75,7 +79,8 @@ class LlamaCppPythonPeer:
         spawn = multiprocessing.get_context("spawn")  # no fork: the parent holds torch's and llama.cpp's threads
         self._connection, child = spawn.Pipe()
         self._process = spawn.Process(target=_serve, name="llama-cpp-python-peer", daemon=True,
-                                      args=(child, self.model_path, self.settings, self.lookup_tokens, self.repack))
+                                      args=(child, self.model_path, self.settings, self.lookup_tokens, self.repack,
+                                            self.attention_split))
         self._process.start()
         child.close()
 
@@ -100,13 +105,19 @@ class LlamaCppPythonPeer:
             self._process = self._connection = None
 
 
-def _serve(connection, model_path: str, settings: dict, lookup_tokens: int | None, repack: bool) -> None:
+def _serve(connection, model_path: str, settings: dict, lookup_tokens: int | None, repack: bool,
+           attention_split: bool) -> None:
     """The worker: answer (prompt, max_new_tokens, eos_ids) with ("ok", tokens) or ("error", message) until None."""
     import os
 
     os.environ["GGML_CPU_MULTI_COLUMN"] = "0"  # llama.cpp's own kernels; read when the first pass runs
     import llama_cpp
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    if not attention_split:
+        from specdec.runtimes.llamacpp.kernels import apply_attention_split
+
+        apply_attention_split(False)
 
     if not repack:
         defaults = llama_cpp.llama_cpp.llama_model_default_params
