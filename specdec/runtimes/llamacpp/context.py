@@ -38,7 +38,8 @@ PREFILL_BLOCK = 128
 # the split off (LlamaCppModel.attention_split), and then every pass of up to 63 tokens takes the sequential sweep,
 # whatever its width and the context length, over any of these types. Passes of 64+ tokens (a prompt's blocks) take
 # ggml's tiled kernel over f16 and f32 caches, whose cost does not grow with the square of the prompt's length as the
-# sweep's does: 2.6x faster than over q8_0 on a 4,096-token prompt, measured (BENCHMARKS.md, "KV cache types"). Without flash attention the K.Q products take width-dependent matrix kernels instead.
+# sweep's does: 2.6x faster than over q8_0 on a 4,096-token prompt, measured (BENCHMARKS.md, "KV cache types").
+# Without flash attention the K.Q products take width-dependent matrix kernels instead.
 KV_CACHE_TYPES = {"f16": 1, "bf16": 30, "q8_0": 8}
 KV_CACHE_BYTES = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32}  # bytes per cached element (q8_0: 32 int8 + an f16 scale)
 DEFAULT_KV_CACHE = "f16"  # llama.cpp's default: the fastest prompts, exact with the split off
