@@ -662,7 +662,7 @@ def test_specdec_kernels_shows_and_writes_the_plan_and_every_candidates_times(gg
     layouts = written["layouts"]  # the times of both layouts, or the crash that chose the plain one
     assert written["machine"]["cpu"]
     assert "one_token_s" in layouts or layouts["worker_exit_code"] and not layouts["repack"]
-    assert written["kv_caches"] is None
+    assert written["kv_caches"] is None and written["versions"]["llama_cpp_python"]
 
 
 def test_specdec_kernels_times_the_kv_cache_settings(gguf_path, tmp_path, capsys):

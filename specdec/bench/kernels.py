@@ -83,7 +83,7 @@ def print_kv_caches(found: dict) -> None:
 
 def run_kernels(args) -> int:
     from specdec import registry
-    from specdec.bench.runner import kernel_patch_hash, machine_info, save
+    from specdec.bench.runner import kernel_patch_hash, machine_info, save, versions
     from specdec.runtimes.llamacpp import load
     from specdec.runtimes.llamacpp.layouts import choose_layouts
 
@@ -116,7 +116,8 @@ def run_kernels(args) -> int:
         command = ["specdec", "kernels", *(f"--target {args.target}".split() if args.target else []),
                    *(["--kv-caches", "--prompt-tokens", str(args.prompt_tokens)] if args.kv_caches else [])]
         save({"command": " ".join(command),
-              "machine": machine_info(), "kernel_patch": kernel_patch_hash(), "model": model.path.name,
+              "machine": machine_info(), "versions": versions(), "kernel_patch": kernel_patch_hash(),
+              "model": model.path.name,
               "threads": model.threads, "repack": model.repack, "plan": model.kernel_plan.describe(),
               "calibration": found, "layouts": layouts, "kv_caches": kv_caches}, Path(args.out))
         print(f"wrote {args.out}")
