@@ -806,3 +806,37 @@ def test_a_failed_load_or_pass_says_what_llama_cpp_reported(model, tmp_path):
             context.evaluate(target, slots.context, [(7, 0, 1, True)])  # a sequence id this context does not have
     finally:
         slots.close()
+
+
+@pytest.mark.parametrize("own_thread", [True, False], ids=["own-thread", "negative-control-inline"])
+def test_a_calibration_leaves_no_openmp_threads_behind_on_the_thread_that_asked(gguf_path, tmp_path, monkeypatch,
+                                                                                 own_thread):
+    """A server calibrates on its main thread and decodes on its model thread. libgomp keeps each thread's pool of
+    OpenMP workers while that thread lives, and with more workers than CPUs it stops spinning at barriers (passes
+    ~1.4x slower on 2 cores, measured). So a calibration runs on a thread of its own: the thread that asked for it has
+    no more threads in the process afterwards than before. The negative control measures on the asking thread, as
+    before the fix, and leaves its pool's worker behind."""
+    import os
+    import threading
+
+    from specdec.runtimes.llamacpp import calibration
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # nothing cached: every calibration measures
+    if not own_thread:
+        monkeypatch.setattr(calibration, "on_a_thread_of_its_own", lambda work: work())
+    fresh = llamacpp.LlamaCppModel(gguf_path, threads=2, repack=False, prefill_repack=None)
+    counts = []
+
+    def asking():  # a thread that has started no parallel region yet, as a server's main thread at start-up
+        counts.append(len(os.listdir("/proc/self/task")))
+        assert fresh.costs.step_s > 0  # measures the kernel plan, then the pass costs
+        counts.append(len(os.listdir("/proc/self/task")))
+
+    thread = threading.Thread(target=asking)
+    thread.start()
+    thread.join()
+    assert len(counts) == 2, "the calibration failed"
+    if own_thread:
+        assert counts[1] == counts[0], f"{counts[1] - counts[0]} threads left behind by the calibration"
+    else:
+        assert counts[1] > counts[0], "the negative control left no OpenMP worker behind: the test cannot see one"
