@@ -179,6 +179,21 @@ def test_report_shows_the_ratios_the_best_configurations_and_the_identity_count(
     assert "Errors: APIError: boom" in text
 
 
+def test_a_report_of_specdecs_servers_alone_says_no_llama_server_ran():
+    """`--servers specdec,specdec-target-only` runs no llama-server: its results hold none, and the report says so
+    (it used to fail on reading the missing binary's path)."""
+    synthetic_results = synthetic()
+    records = [r for r in synthetic_results["records"] if r["server"] in ("specdec", REFERENCE)]
+    results = {"servers": {name: synthetic_results["servers"][name] for name in ("specdec", REFERENCE)},
+               "records": records, "command": "specdec bench-servers --servers specdec,specdec-target-only",
+               "versions": {"llama-cpp-python": "0.3.36"}, "llama_server": None,
+               "machine": {"cpu": "cpu", "cores": 2, "load_average_at_start": [1.0, 1.0, 1.0]},
+               "settings": {"max_tokens": 32, "threads": 2, "rounds": 1, "prompts": 4}}
+    text = servers.report(results)
+    assert "no llama-server in this run" in text
+    assert "**specdec and specdec-target-only: 2/3 answers with identical text.**" in text
+
+
 # ---- the server processes
 
 

@@ -455,8 +455,7 @@ def report(results: dict) -> str:
              f"Machine: {machine['cpu']}, {machine['cores']} cores, load average at start "
              f"{', '.join(f'{x:.2f}' for x in machine.get('load_average_at_start', []))}  ",
              f"llama-cpp-python {results['versions'].get('llama-cpp-python')}, specdec's kernel patch "
-             f"{results.get('patch_md5')}; llama-server (unpatched): `{results.get('llama_server', {}).get('path')}` "
-             f"({results.get('llama_server', {}).get('version')})  ",
+             f"{results.get('patch_md5')}; {_describe_baseline(results.get('llama_server'))}  ",
              f"Greedy chat completions of at most {settings['max_tokens']} tokens, {settings['threads']} threads per "
              f"server, {settings['rounds']} round(s) of {settings['prompts']} prompts ({', '.join(s['kinds'])}); one "
              "request at a time across all servers, each prompt answered by every server in turn (order rotated "
@@ -665,6 +664,13 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+
+
+def _describe_baseline(binary: dict | None) -> str:
+    """The report's words for the llama-server binary of a run (None: a run of specdec's servers alone)."""
+    if binary is None:
+        return "no llama-server in this run"
+    return f"llama-server (unpatched): `{binary.get('path')}` ({binary.get('version')})"
 
 
 def _describe_binary(binary: Path | None) -> dict | None:
