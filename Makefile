@@ -8,9 +8,9 @@ MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 DEMO_PROMPT := Write a Python function that returns the n-th Fibonacci number, with a docstring and type hints.
 
 # llama-cpp-python compiles llama.cpp for this CPU (about 10 minutes on 2 cores), from its source release with
-# specdec's kernel patch applied (native/: exact multi-token verify passes). The wheel is built once per CPU feature
-# set and patch into WHEELS and installed from there afterwards (seconds); pip's own cache is bypassed, as it would
-# hand back a wheel built for another CPU or without the patch.
+# specdec's kernel patch applied (native/: exact multi-token verify passes, KV caches that take memory as they fill).
+# The wheel is built once per CPU feature set and patch into WHEELS and installed from there afterwards (seconds);
+# pip's own cache is bypassed, as it would hand back a wheel built for another CPU or without the patch.
 LLAMA_CPP_VERSION := 0.3.36
 LLAMA_CPP := llama-cpp-python==$(LLAMA_CPP_VERSION)
 LLAMA_PATCH := native/llama.cpp-verify-columns.patch
