@@ -834,29 +834,29 @@ def test_a_calibration_leaves_no_openmp_threads_behind_on_the_thread_that_asked(
         runner.close()
         return {"passes": 1}
 
-    counts = []
+    seen = []
 
     def threads() -> set[str]:
         return {f"{task}:{Path('/proc/self/task', task, 'comm').read_text().strip()}"
                 for task in os.listdir("/proc/self/task")}
 
     def asking():  # a thread that has started no parallel region yet, as a server's main thread at start-up
-        counts.append(threads())
+        seen.append(threads())
         assert calibration.cached_json(Path(gguf_path), "openmp-probe", "2", measure, {}) == {"passes": 1}
         # An ended thread's pool goes with it as the thread exits, a moment after join() returns: wait for that
         deadline = time.monotonic() + 5
-        while not threads() <= counts[0] and time.monotonic() < deadline:
+        while not threads() <= seen[0] and time.monotonic() < deadline:
             time.sleep(0.05)
-        counts.append(threads())
+        seen.append(threads())
 
     thread = threading.Thread(target=asking)
     thread.start()
     thread.join()
-    assert len(counts) == 2, "the calibration failed"
+    assert len(seen) == 2, "the calibration failed"
     if own_thread:
-        assert counts[1] <= counts[0], f"threads left behind by the calibration: {counts[1] - counts[0]}"
+        assert seen[1] <= seen[0], f"threads left behind by the calibration: {seen[1] - seen[0]}"
     else:
-        assert counts[1] - counts[0], "the negative control left no OpenMP worker behind: the test cannot see one"
+        assert seen[1] - seen[0], "the negative control left no OpenMP worker behind: the test cannot see one"
 
 
 def test_a_context_takes_memory_for_the_cells_it_holds_not_for_its_size(gguf_path):

@@ -87,10 +87,9 @@ def on_a_thread_of_its_own(work):
     llama.cpp's CPU backend runs a pass on OpenMP threads, and libgomp (one copy in the process, shared with torch)
     keeps a pool of worker threads for each thread that started a parallel region, for as long as that thread lives.
     Once it manages more threads than there are CPUs, it stops spinning at its barriers and puts every thread to sleep
-    at each one. A server calibrates on its main thread and decodes on its model thread: measured on 2 cores (AMD EPYC
-    Zen 4), one-token passes on a second thread took 49-50 ms after passes on the main thread, against 36-37 ms
-    without, and a server that had just calibrated decoded ~1.5x slower until restarted. A calibration on a thread of
-    its own takes its pool with it when it ends."""
+    at each one. A server calibrates on its main thread and decodes on its model thread: on an AMD EPYC Zen 4 (2 cores)
+    a server that had just calibrated ran at 0.78x of --draft none's tokens/s until restarted (BENCHMARKS.md,
+    docs/calibration-thread-zen4). A calibration on a thread of its own takes its pool with it when it ends."""
     outcome: dict = {}
 
     def run() -> None:
