@@ -38,7 +38,9 @@ def run_generate(args) -> int:
     gen = generator_from_args(args)
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
-    plain = SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer, runtime=gen.runtime, prompt_cache=0)
+    # Target-only shares the prompt cache: each is timed warm, as llama-server's slot is after its warm-up
+    plain = SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer, runtime=gen.runtime,
+                                 prompt_cache=gen.prompt_cache or 0)
     if args.compare:  # untimed warm-up of both: the first pass over freshly loaded weights is slower
         for warm in (gen, plain):
             warm.generate(args.prompt, **{**settings, "max_new_tokens": min(2, args.max_new_tokens)})

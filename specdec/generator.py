@@ -47,7 +47,7 @@ class SpeculativeGenerator:
     is the one chosen). Target and draft model share the runtime.
     threads: CPU threads (llama.cpp: per model; torch: sets torch's intra-op threads). Default: every core we have.
     prompt_cache: the prompt cache's budget in MB (0: off), or a specdec.prompt_cache.PromptCache to share with
-    another generator of the same models. Requests reuse the KV cache of prompt blocks that earlier requests
+    another generator of the same models. Requests reuse the KV cache of prompt segments that earlier requests
     prefilled, where the runtime does so exactly (llama.cpp): a prompt that starts like an earlier one prefills only
     the rest, and its output is the one it would have without the cache. Target and draft model share its budget;
     `gen.prompt_cache` is it (None where prompts are not cached), with its stats.

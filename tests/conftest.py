@@ -371,18 +371,20 @@ def prefill_through(model, tokens: list[int], cache) -> tuple[torch.Tensor, int]
 
 
 @contextlib.contextmanager
-def one_token_at_a_time_prefills(monkeypatch):
-    """Within: llama.cpp prompts are prefilled one token per pass, as decoding writes an answer's cache entries (what
-    a cache that reused decode-computed entries would hand to later prompts)."""
+def prefills_in_passes_of(monkeypatch, width: int):
+    """Within: llama.cpp prompts are prefilled in passes of `width` tokens from where they start, not along their
+    segments: 1, as decoding writes an answer's cache entries; a prompt's length, as llama-server computes the entries
+    its slots reuse (what a cache that reused such entries would hand to later prompts)."""
     from specdec.runtimes.llamacpp import context, model as model_module, runner as runner_module
 
-    def one_token_at_a_time(model, ctx, seq, tokens, wanted, start=0):
-        return [row for i in range(start, len(tokens))
-                for row in context.evaluate(model, ctx, [(seq, i, tokens[i], wanted[i])])]
+    def cut_otherwise(model, ctx, seq, tokens, wanted, start=0):
+        return [row for begin in range(start, len(tokens), width)
+                for row in context.evaluate(model, ctx, [(seq, i, tokens[i], wanted[i])
+                                                         for i in range(begin, min(begin + width, len(tokens)))])]
 
     with monkeypatch.context() as patch:
-        patch.setattr(runner_module, "evaluate_prompt", one_token_at_a_time)
-        patch.setattr(model_module, "evaluate_prompt", one_token_at_a_time)
+        patch.setattr(runner_module, "evaluate_prompt", cut_otherwise)
+        patch.setattr(model_module, "evaluate_prompt", cut_otherwise)
         yield
 
 

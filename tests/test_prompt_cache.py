@@ -13,72 +13,94 @@ from conftest import chat, conversation_prompts, conversation_requests, prefill_
 from specdec import SpeculativeGenerator, registry
 from specdec.prompt_cache import PromptCache
 from specdec.runtimes import llamacpp
+from specdec.runtimes.llamacpp.context import prefill_bounds
 
-B = 4  # block size of the pure tests
+B = 4  # segment length of most pure tests
 
 
 def blocks(*names: str) -> list[bytes]:
     return [name.encode() * 10 for name in names]  # 10 bytes each
 
 
+def cut(tokens: list[int], length: int = B) -> list[int]:
+    """Where segments of `length` tokens end, the last one partial."""
+    return [*range(length, len(tokens), length), len(tokens)]
+
+
 # --- the tree, pure ------------------------------------------------------------------------------------------------
 
-def test_a_prompt_reuses_the_leading_full_blocks_another_cached_and_no_more_than_asked():
+def test_a_prompt_reuses_the_leading_segments_another_cached_and_no_more_than_asked():
     cache = PromptCache(1000)
-    tokens = list(range(10))  # blocks [0-3], [4-7]; 8, 9 a partial block
-    assert cache.match("m", tokens, B, most=2) == []
-    assert cache.insert("m", tokens, B, 0, blocks("a", "b")) == 2
-    assert cache.match("m", tokens, B, most=2) == blocks("a", "b")
-    assert cache.match("m", tokens, B, most=1) == blocks("a")  # the caller keeps its last block to compute
-    assert cache.match("m", tokens[:4] + [99] * 6, B, most=2) == blocks("a")  # diverges in block 2
-    assert cache.match("m", [99] + tokens[1:], B, most=2) == []
-    assert cache.match("other model", tokens, B, most=2) == []  # blocks are their owner's
-    assert cache.match("m", tokens, 2, most=4) == []  # and their block size's
+    tokens = list(range(10))  # segments [0-3], [4-7], [8-9]
+    assert cache.match("m", tokens, cut(tokens), most=2) == []
+    assert cache.insert("m", tokens, cut(tokens), 0, blocks("a", "b")) == 2
+    assert cache.match("m", tokens, cut(tokens), most=2) == blocks("a", "b")
+    assert cache.match("m", tokens, cut(tokens), most=1) == blocks("a")  # the caller keeps its last one to compute
+    other = tokens[:4] + [99] * 6
+    assert cache.match("m", other, cut(other), most=2) == blocks("a")  # diverges in segment 2
+    assert cache.match("m", [99] + tokens[1:], cut(tokens), most=2) == []
+    assert cache.match("other model", tokens, cut(tokens), most=2) == []  # segments are their owner's
+    assert cache.match("m", tokens, [2, 4, 6, 8, 10], most=4) == []  # and cut where the prompt is cut
+    assert cache.match("m", tokens, [4, 7, 10], most=2) == blocks("a")  # the same tokens in a segment of other ends
     stats = cache.stats
-    assert (stats.lookups, stats.hits, stats.tokens_reused, stats.blocks, stats.bytes) == (7, 3, 16, 2, 20)
+    assert (stats.lookups, stats.hits, stats.tokens_reused, stats.segments, stats.bytes) == (8, 4, 20, 2, 20)
 
 
-def test_blocks_are_shared_by_the_prompts_that_start_alike():
+def test_segments_of_any_length_are_reused_up_to_where_prompts_part():
+    cache = PromptCache(1000)
+    system, first, second = [7] * 3, [1] * 6, [2] * 5  # a short system message, then two messages of their own
+    assert cache.insert("m", system + first, [3, 9], 0, blocks("s", "x")) == 2
+    assert cache.match("m", system + second, [3, 8], most=1) == blocks("s")
+    assert cache.match("m", system + first + second, [3, 9, 14], most=2) == blocks("s", "x")
+    assert cache.stats.tokens_reused == 3 + 9
+
+
+def test_segments_are_shared_by_the_prompts_that_start_alike():
     cache = PromptCache(1000)
     shared = [7] * B
-    cache.insert("m", shared + [1] * B, B, 0, blocks("s", "x"))
-    assert cache.match("m", shared + [2] * B, B, most=2) == blocks("s")
-    assert cache.insert("m", shared + [2] * B, B, 1, blocks("y")) == 1
-    assert cache.stats.blocks == 3  # the shared block is held once
-    assert cache.match("m", shared + [1] * B, B, most=2) == blocks("s", "x")
-    assert cache.match("m", shared + [2] * B, B, most=2) == blocks("s", "y")
+    cache.insert("m", shared + [1] * B, cut(shared * 2), 0, blocks("s", "x"))
+    assert cache.match("m", shared + [2] * B, cut(shared * 2), most=2) == blocks("s")
+    assert cache.insert("m", shared + [2] * B, cut(shared * 2), 1, blocks("y")) == 1
+    assert cache.stats.segments == 3  # the shared segment is held once
+    assert cache.match("m", shared + [1] * B, cut(shared * 2), most=2) == blocks("s", "x")
+    assert cache.match("m", shared + [2] * B, cut(shared * 2), most=2) == blocks("s", "y")
 
 
 def test_the_least_recently_used_leaf_goes_first_and_never_the_path_being_inserted():
-    cache = PromptCache(40)  # four blocks of 10 bytes
+    cache = PromptCache(40)  # four segments of 10 bytes
     a, b = [1] * B + [2] * B, [1] * B + [3] * B
-    cache.insert("m", a, B, 0, blocks("r", "a"))
-    cache.insert("m", b, B, 1, blocks("b"))
-    cache.match("m", a, B, most=2)  # a is used again: b's leaf is now the least recently used
+    ends = cut(a)
+    cache.insert("m", a, ends, 0, blocks("r", "a"))
+    cache.insert("m", b, ends, 1, blocks("b"))
+    cache.match("m", a, ends, most=2)  # a is used again: b's leaf is now the least recently used
     c = [5] * B + [6] * B
-    assert cache.insert("m", c, B, 0, blocks("c", "d")) == 2  # 50 bytes: b's leaf goes
-    assert cache.match("m", b, B, most=2) == blocks("r")
-    assert cache.match("m", a, B, most=2) == blocks("r", "a")
+    assert cache.insert("m", c, ends, 0, blocks("c", "d")) == 2  # 50 bytes: b's leaf goes
+    assert cache.match("m", b, ends, most=2) == blocks("r")
+    assert cache.match("m", a, ends, most=2) == blocks("r", "a")
     assert cache.stats.evictions == 1 and cache.stats.bytes == 40
 
 
-def test_a_prompt_longer_than_the_budget_keeps_the_blocks_that_fit_and_a_budget_of_0_keeps_none():
+def test_a_prompt_longer_than_the_budget_keeps_the_segments_that_fit_and_a_budget_of_0_keeps_none():
     cache = PromptCache(25)
     tokens = list(range(4 * B))
-    assert cache.insert("m", tokens, B, 0, blocks("a", "b", "c", "d")) == 2
-    assert cache.match("m", tokens, B, most=4) == blocks("a", "b")
+    assert cache.insert("m", tokens, cut(tokens), 0, blocks("a", "b", "c", "d")) == 2
+    assert cache.match("m", tokens, cut(tokens), most=4) == blocks("a", "b")
     assert cache.stats.bytes <= 25
     off = PromptCache(0)
-    assert not off.enabled and off.insert("m", tokens, B, 0, blocks("a")) == 0 and off.stats.blocks == 0
+    assert not off.enabled and off.insert("m", tokens, cut(tokens), 0, blocks("a")) == 0 and off.stats.segments == 0
 
 
-def test_bad_budgets_and_blocks_say_what_to_do():
+def test_bad_budgets_and_segments_say_what_to_do():
     with pytest.raises(ValueError, match="0 turns it off"):
         PromptCache(-1)
     with pytest.raises(ValueError, match="0 turns it off"):
         PromptCache.of_megabytes(-0.5)
-    with pytest.raises(ValueError, match="not all full blocks"):
-        PromptCache(100).insert("m", [1] * (B + 2), B, 1, blocks("a"))
+    with pytest.raises(ValueError, match="not all within"):
+        PromptCache(100).insert("m", [1] * (B + 2), [B, B + 2], 1, blocks("a", "b"))  # three segments of two
+    with pytest.raises(ValueError, match="not all within"):
+        PromptCache(100).insert("m", [1] * B, [B + 2], 0, blocks("a"))  # beyond the prompt
+    with pytest.raises(ValueError, match="not all within"):
+        PromptCache(100).insert("m", [1] * B, [3, 3, 4], 0, blocks("a"))  # an empty segment
     assert PromptCache.of_megabytes(1.5).budget_bytes == 3 * 2**19
 
 
@@ -117,6 +139,33 @@ def test_a_hit_prefills_the_logits_of_a_cold_prefill_bit_for_bit(smollm):
     assert cache.stats.hits == sum(len(earlier) >= llamacpp.PREFILL_BLOCK for earlier in prompts[:-1]) >= 3
 
 
+SYSTEM = {"role": "system", "content": "You are a terse assistant who answers questions about the Python language "
+                                       "and its standard library, with short examples."}
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
+def test_chat_prompts_reuse_the_messages_they_share_and_prefill_the_logits_of_a_cold_prefill(smollm):
+    """Prompts far shorter than a block: a new question after the same system message reuses the system message, and
+    a conversation's next turn reuses every message of the turn before but its answer (decoded, not prefilled)."""
+    model, tokenizer = smollm
+    (mark,) = {token for token in model.segment_marks if tokenizer.convert_ids_to_tokens(token) == "<|im_start|>"}
+    first = [SYSTEM, {"role": "user", "content": "How do I sort a list of dictionaries by the value of one key?"}]
+    other = [SYSTEM, {"role": "user", "content": "What does enumerate return when it is given a start argument?"}]
+    later = first + [{"role": "assistant", "content": "Use sorted(items, key=lambda item: item['age'])."},
+                     {"role": "user", "content": "And how would I sort them from the oldest to the youngest?"}]
+    cache = PromptCache(64 * 2**20)
+    prefill_through(model, chat_prompt(tokenizer, first), cache)
+    for messages, shared in ((other, 1), (later, 2), (first, 2)):  # (messages, how many messages it reuses)
+        tokens = chat_prompt(tokenizer, messages)
+        starts = [i for i, token in enumerate(tokens) if token == mark]
+        warm, reused = prefill_through(model, tokens, cache)
+        assert reused == starts[shared] < len(tokens) <= llamacpp.PREFILL_BLOCK
+        assert torch.equal(warm, prefill_through(model, tokens, None)[0])
+
+
 def test_answers_with_hits_equal_answers_without_the_cache_greedy_and_seeded(smollm):
     model, tokenizer = smollm
     cached = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=64)
@@ -150,13 +199,13 @@ def test_a_prefill_that_fails_half_way_caches_nothing_and_leaves_the_pool_usable
         patch.setattr(context, "evaluate", fails_in_the_second_pass)
         with pytest.raises(KeyboardInterrupt):
             prefill_through(model, tokens, cache)
-    assert len(calls) == 2 and cache.stats.blocks == 0 and cache.stats.bytes == 0
+    assert len(calls) == 2 and cache.stats.segments == 0 and cache.stats.bytes == 0
     warm, reused = prefill_through(model, tokens, cache)
     assert reused == 0 and torch.equal(warm, prefill_through(model, tokens, None)[0])
-    assert cache.stats.blocks == len(tokens) // llamacpp.PREFILL_BLOCK
+    assert cache.stats.segments == len(prefill_bounds(tokens, model.segment_marks)) == 6  # the last one too
 
 
-def test_a_state_cut_into_blocks_and_joined_restores_the_sequence(smollm):
+def test_a_state_cut_into_spans_and_joined_restores_the_sequence(smollm):
     from specdec.runtimes.llamacpp import kv_blocks
     from specdec.runtimes.llamacpp.context import SlotPool
 
@@ -165,11 +214,14 @@ def test_a_state_cut_into_blocks_and_joined_restores_the_sequence(smollm):
     slots = SlotPool(model, 3, 1024)
     source, target = slots.take(model.n_vocab), slots.take(model.n_vocab)
     source.forward(torch.tensor([tokens]), last_only=True)
-    form, cut = kv_blocks.split(slots.context.save_state(source.seq), llamacpp.PREFILL_BLOCK, 0, 2)
-    assert [len(b) for b in cut] == [llamacpp.PREFILL_BLOCK * form.bytes_per_position] * 2
-    assert kv_blocks.split(slots.context.save_state(source.seq), llamacpp.PREFILL_BLOCK, 1, 2) is None  # too few
-    assert kv_blocks.split(b"not a state", llamacpp.PREFILL_BLOCK, 0, 1) is None
-    slots.context.load_state(kv_blocks.join(form, cut, llamacpp.PREFILL_BLOCK, 3), target.seq)
+    state = slots.context.save_state(source.seq)
+    spans = [(0, 21), (21, llamacpp.PREFILL_BLOCK), (llamacpp.PREFILL_BLOCK, 2 * llamacpp.PREFILL_BLOCK)]
+    form, pieces = kv_blocks.split(state, spans)
+    assert [len(b) for b in pieces] == [(end - start) * form.bytes_per_position for start, end in spans]
+    assert kv_blocks.split(state, [(len(tokens) - 5, len(tokens) + 1)]) is None  # beyond the positions it holds
+    assert kv_blocks.split(state, [(7, 7)]) is None
+    assert kv_blocks.split(b"not a state", [(0, 1)]) is None
+    slots.context.load_state(kv_blocks.join(form, pieces, 3), target.seq)
     target.advance(2 * llamacpp.PREFILL_BLOCK)
     source.rollback(2 * llamacpp.PREFILL_BLOCK)
     rest = torch.tensor([tokens[2 * llamacpp.PREFILL_BLOCK:]])
@@ -253,14 +305,14 @@ def test_eight_concurrent_conversations_over_a_budget_that_evicts_answer_as_with
     assert [answer["token_ids"] for _, answer in sent] == cold
 
 
-def test_a_prompt_beyond_the_budget_caches_the_blocks_that_fit_and_still_prefills_exactly(smollm):
+def test_a_prompt_beyond_the_budget_caches_the_segments_that_fit_and_still_prefills_exactly(smollm):
     model, tokenizer = smollm
     tokens = conversation_prompts(tokenizer, 5)[-1]
     block_bytes = llamacpp.PREFILL_BLOCK * model.kv_bytes_per_token
     cache = PromptCache(int(1.5 * block_bytes) + 1024)  # one block of the prompt's four fits
     cold, _ = prefill_through(model, tokens, None)
     assert torch.equal(prefill_through(model, tokens, cache)[0], cold)
-    assert cache.stats.blocks == 1 and cache.stats.bytes <= cache.budget_bytes
+    assert cache.stats.segments == 1 and cache.stats.bytes <= cache.budget_bytes
     warm, reused = prefill_through(model, tokens, cache)
     assert reused == llamacpp.PREFILL_BLOCK and torch.equal(warm, cold)
 

@@ -13,7 +13,7 @@ import torch
 from specdec import SpeculativeGenerator, registry
 from specdec.runtimes import LLAMA_CPP, llamacpp, runtime_of
 from conftest import (chat, conversation_prompts, conversation_requests, human_eval_prompts,
-                      one_token_at_a_time_prefills, prefill_through, serve)
+                      prefill_through, prefills_in_passes_of, serve)
 
 pytestmark = pytest.mark.real_model
 
@@ -396,13 +396,42 @@ def test_prompt_cache_hits_prefill_cold_logits_and_blocks_from_decode_passes_are
     first, second = conversation_prompts(tokenizer, 3)[1:]
     good, decoded = PromptCache(2**28), PromptCache(2**28)
     prefill_through(model, first, good)
-    with one_token_at_a_time_prefills(monkeypatch):
+    with prefills_in_passes_of(monkeypatch, 1):
         prefill_through(model, first, decoded)
     cold, _ = prefill_through(model, second, None)
     warm, reused = prefill_through(model, second, good)
     assert reused >= llamacpp.PREFILL_BLOCK and torch.equal(warm, cold)
     wrong, reused = prefill_through(model, second, decoded)
     assert reused >= llamacpp.PREFILL_BLOCK and not torch.equal(wrong, cold)
+
+
+def test_a_shared_system_message_is_reused_exactly_and_one_computed_inside_a_longer_pass_is_caught(pair, monkeypatch):
+    """Two questions after the template's default system message: the second reuses the first's system message
+    (a segment far shorter than a block) and prefills the logits of a cold prefill bit for bit. Negative control: a
+    cache whose system message was computed inside the first prompt's one pass (as llama-server's slot reuses a
+    prompt's prefix; a pass of 64+ tokens takes ggml's tiled attention) gives other logits."""
+    from specdec.prompt_cache import PromptCache
+
+    speculative, _ = pair
+    model, tokenizer = speculative.target, speculative.tokenizer
+    first, second = ([*tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     return_dict=True)["input_ids"]]
+                     for text in ("Name three colours of the rainbow, say which of them looks the brightest to people, "
+                                  "why that is so, and how a camera sensor and a printer each reproduce it; answer "
+                                  "in two short paragraphs for a curious ten year old.",
+                                  "Write a haiku about a compiler that finds a bug on a Friday evening."))
+    parted = next(i for i in range(len(first)) if first[i] != second[i])
+    system = max(i for i in range(parted) if first[i] in model.segment_marks)  # where the user's message starts
+    assert 0 < system < llamacpp.PREFILL_BLOCK and len(first) >= 64
+    good, inside = PromptCache(2**28), PromptCache(2**28)
+    prefill_through(model, first, good)
+    with prefills_in_passes_of(monkeypatch, llamacpp.BATCH):
+        prefill_through(model, first, inside)
+    cold, _ = prefill_through(model, second, None)
+    warm, reused = prefill_through(model, second, good)
+    assert reused == system and torch.equal(warm, cold)
+    wrong, reused = prefill_through(model, second, inside)
+    assert reused == system and not torch.equal(wrong, cold)
 
 
 def test_a_five_turn_conversation_through_the_server_answers_as_a_server_without_the_cache(pair):

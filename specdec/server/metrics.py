@@ -51,17 +51,17 @@ class Metrics:
               registry=registry).set_function(lambda: scheduler.batch.max_batch)
         Gauge("specdec_batch_usage_ratio", "Batch occupancy / slots, 0 to 1 (the KV cache slots in use)",
               registry=registry).set_function(lambda: scheduler.occupancy / scheduler.batch.max_batch)
-        self.cache_hits = Counter("specdec_prompt_cache_hits", "Generations whose prompt reused cached blocks",
+        self.cache_hits = Counter("specdec_prompt_cache_hits", "Generations whose prompt reused cached segments",
                                   registry=registry)
         self.cached_tokens = Counter("specdec_prompt_cache_tokens_reused",
                                      "Prompt tokens of finished generations taken from the prompt cache, not prefilled",
                                      registry=registry)
         cache = (lambda: prompt_cache.stats) if prompt_cache is not None else None
         for name, what, read in (("bytes", "Bytes of KV cache the prompt cache holds", lambda s: s.bytes),
-                                 ("blocks", "Prompt blocks the prompt cache holds", lambda s: s.blocks),
+                                 ("segments", "Prompt segments the prompt cache holds", lambda s: s.segments),
                                  ("budget_bytes", "The prompt cache's budget (--prompt-cache-mb)",
                                   lambda s: s.budget_bytes),
-                                 ("evictions", "Blocks evicted from the prompt cache so far", lambda s: s.evictions)):
+                                 ("evictions", "Segments evicted from the prompt cache so far", lambda s: s.evictions)):
             Gauge(f"specdec_prompt_cache_{name}", what, registry=registry).set_function(
                 (lambda read=read: read(cache())) if cache is not None else (lambda: 0))
         self.request_acceptance = Histogram("specdec_request_acceptance_rate",

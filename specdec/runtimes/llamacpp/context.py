@@ -26,11 +26,15 @@ if TYPE_CHECKING:
 
 INITIAL_CONTEXT = 2048  # tokens a pool of one allocates up front; it grows by doubling
 BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several), as llama-cpp-python's default n_batch
-# A prompt is prefilled in chunks along the boundaries 0, PREFILL_BLOCK, 2 * PREFILL_BLOCK, ... of its positions, the
-# prompt cache's blocks (specdec.prompt_cache): cached or not, a prompt's cache entries are then computed in the same
-# passes. Smaller blocks reuse more of a conversation's history; each chunk streams the weights once more
-# (BENCHMARKS.md, "Prompt cache").
+# A prompt is prefilled in passes along boundaries that its tokens alone decide (prefill_bounds): the positions
+# PREFILL_BLOCK, 2 * PREFILL_BLOCK, ..., and the start of each message of a chat (a segment mark: LlamaCppModel's
+# segment_marks, such as ChatML's <|im_start|>) that leaves at least PREFILL_MIN_SEGMENT tokens on either side before
+# the next block boundary and after the boundary before. Cached or not, a prompt's cache entries are then computed
+# in the same passes, and the prompt cache (specdec.prompt_cache) keeps them per segment: a system message, every
+# message a conversation resent, a long document's blocks. Each pass streams the weights once more (BENCHMARKS.md,
+# "Prompt cache").
 PREFILL_BLOCK = 128
+PREFILL_MIN_SEGMENT = 16
 
 # KV cache element types (ggml_type). ggml's flash attention over an f16 or f32 cache of 512+ cells splits a one-token
 # pass across threads and merges partial softmaxes, while wider passes run each row in one sequential sweep, so past
@@ -113,16 +117,35 @@ def _free_context(lib, ctx, batch) -> None:
     lib.llama_free(ctx)
 
 
+def prefill_bounds(tokens: list[int], marks: frozenset[int]) -> list[int]:
+    """Where the passes that prefill `tokens` end, in order (the last is len(tokens)): see PREFILL_BLOCK. Each
+    depends on the tokens before it and the one at it, so prompts that start alike are cut alike up to where they
+    part."""
+    ends, last = [], 0
+    for i, token in enumerate(tokens):
+        if i == 0:
+            continue
+        if i % PREFILL_BLOCK == 0 or (token in marks and i - last >= PREFILL_MIN_SEGMENT
+                                      and -i % PREFILL_BLOCK >= PREFILL_MIN_SEGMENT):
+            ends.append(i)
+            last = i
+    if tokens:
+        ends.append(len(tokens))
+    return ends
+
+
 def evaluate_prompt(model: LlamaCppModel, context: Context, seq: int, tokens: list[int], wanted: list[bool],
                     start: int = 0) -> list[np.ndarray]:
-    """A new sequence's tokens from position `start` (0, or a block boundary up to which its cache holds them
-    already), in passes along the block boundaries -> the wanted rows of those tokens."""
-    if start % PREFILL_BLOCK:
-        raise ValueError(f"a prompt resumes at a block boundary (a multiple of {PREFILL_BLOCK}), not at {start}")
-    rows = []
-    for begin in range(start, len(tokens), PREFILL_BLOCK):
-        end = min(begin + PREFILL_BLOCK, len(tokens))
-        rows += evaluate(model, context, [(seq, i, tokens[i], wanted[i]) for i in range(begin, end)])
+    """A new sequence's tokens from position `start` (0, or a pass boundary up to which its cache holds them
+    already), in passes along prefill_bounds -> the wanted rows of those tokens."""
+    ends = prefill_bounds(tokens, model.segment_marks)
+    if start and start not in ends:
+        raise ValueError(f"a prompt resumes where one of its prefill passes ended ({ends[:8]}...), not at {start}")
+    rows, begin = [], start
+    for end in ends:
+        if end > begin:
+            rows += evaluate(model, context, [(seq, i, tokens[i], wanted[i]) for i in range(begin, end)])
+            begin = end
     return rows
 
 

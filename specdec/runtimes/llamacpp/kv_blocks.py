@@ -1,10 +1,10 @@
-"""A sequence's llama.cpp KV cache cut into blocks of positions, and put back together: the prompt cache's entries
+"""A sequence's llama.cpp KV cache cut into spans of positions, and put back together: the prompt cache's entries
 (specdec.prompt_cache).
 
 llama_state_seq_get_data writes one sequence as: a magic number, the sequence id, the number of streams, then per
 stream its cell count and, where it holds cells, each cell's position and sequence ids, the V layout flag and the
 number of layers, the K rows of those cells for each layer (type, row size, rows), then the V rows for each layer.
-A block is the K and V rows of B consecutive positions in every layer. Only the layout specdec's contexts write is
+A span's entry is the K and V rows of its positions in every layer. Only the layout specdec's contexts write is
 cut: flash attention (V rows, not transposed), one sequence id per cell, cells in order of position from 0;
 anything else is refused (split returns None) and the prompt goes uncached.
 """
@@ -36,10 +36,9 @@ class StateFormat:
         return sum(row for _, row in self.sections)
 
 
-def split(state: bytes, block: int, first: int, count: int) -> tuple[StateFormat, list[bytes]] | None:
-    """Blocks first .. first + count - 1 (positions first * block on) of a sequence state -> (its format, each block's
-    rows: every section's rows of those positions, in order), or None for a state not laid out as described above or
-    holding fewer positions."""
+def split(state: bytes, spans: list[tuple[int, int]]) -> tuple[StateFormat, list[bytes]] | None:
+    """Spans [start, end) of positions of a sequence state -> (its format, each span's rows: every section's rows of
+    those positions, in order), or None for a state not laid out as described above or holding fewer positions."""
     view = memoryview(state)
     try:
         magic, _, n_stream = _HEADER.unpack_from(view, 0)
@@ -72,28 +71,26 @@ def split(state: bytes, block: int, first: int, count: int) -> tuple[StateFormat
     except (struct.error, ValueError):
         return None
     cells, form, starts = found
-    if (first + count) * block > cells:
+    if any(not 0 <= first < end <= cells for first, end in spans):
         return None
-    blocks = []
-    for b in range(first, first + count):
-        blocks.append(b"".join(view[start + b * block * row:start + (b + 1) * block * row]
-                               for start, (_, row) in zip(starts, form.sections)))
-    return form, blocks
+    return form, [b"".join(view[start + first * row:start + end * row] for start, (_, row) in zip(starts, form.sections))
+                  for first, end in spans]
 
 
-def join(form: StateFormat, blocks: list[bytes], block: int, n_stream: int) -> bytes:
-    """A sequence state holding positions 0 .. len(blocks) * block - 1, from blocks that split() cut, for a sequence
-    of a context of n_stream streams (llama_state_seq_set_data puts it into whichever sequence it is given)."""
-    cells = len(blocks) * block
+def join(form: StateFormat, spans: list[bytes], n_stream: int) -> bytes:
+    """A sequence state holding positions 0 .. n - 1 from consecutive spans that split() cut (the first from
+    position 0), for a sequence of a context of n_stream streams (llama_state_seq_set_data puts it into whichever
+    sequence it is given)."""
+    lengths = [len(kv) // form.bytes_per_position for kv in spans]
+    cells = sum(lengths)
     meta = np.zeros(cells, _CELL)
     meta["pos"], meta["n_seq_id"] = np.arange(cells), 1
     parts = [_HEADER.pack(form.magic, 0, n_stream), _U32.pack(cells), meta.tobytes(), _LAYERS.pack(0, form.n_layer)]
-    views = [memoryview(kv) for kv in blocks]
-    offset = 0
+    views = [memoryview(kv) for kv in spans]
+    before = 0  # bytes per position of the sections before this one
     for kind, row in form.sections:
-        size = block * row
         parts.append(_SECTION.pack(kind, row))
-        parts.extend(view[offset:offset + size] for view in views)
-        offset += size
+        parts.extend(view[before * length:(before + row) * length] for view, length in zip(views, lengths))
+        before += row
     parts.extend(_U32.pack(0) for _ in range(n_stream - 1))  # the other streams hold none of it
     return b"".join(parts)

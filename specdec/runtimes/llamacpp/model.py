@@ -73,6 +73,10 @@ class LlamaCppModel:
         self.n_vocab = lib.llama_vocab_n_tokens(vocab)
         self.max_length = lib.llama_model_n_ctx_train(self.handle)
         self.eos_ids = frozenset(i for i in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, i))
+        # Control tokens that do not end a generation, such as ChatML's <|im_start|>, begin a chat's messages: prompts
+        # are prefilled in passes cut before them (context.prefill_bounds), so a conversation's messages are cached
+        self.segment_marks = frozenset(i for i in range(self.n_vocab)
+                                       if lib.llama_vocab_is_control(vocab, i) and i not in self.eos_ids)
         n_head = lib.llama_model_n_head(self.handle)
         head_dim = lib.llama_model_n_embd(self.handle) // max(1, n_head)
         # keys and values of every layer's KV heads

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from specdec.runtimes.llamacpp import kv_blocks
-from specdec.runtimes.llamacpp.context import BATCH, PREFILL_BLOCK, Context, evaluate, evaluate_prompt
+from specdec.runtimes.llamacpp.context import BATCH, Context, evaluate, evaluate_prompt, prefill_bounds
 
 if TYPE_CHECKING:
     from specdec.runtimes.llamacpp.context import SlotPool
@@ -86,23 +86,24 @@ class LlamaCppRunner:
         return logits[..., : self.vocab_size]
 
     def _prefill(self, tokens: list[int], wanted: list[bool], cacheable: bool) -> list[np.ndarray]:
-        """A new sequence's first tokens (a prompt), in passes along the block boundaries (context.evaluate_prompt),
-        in the model's prefill layout where it has one; the leading blocks come from the prompt cache where it holds
-        them, and the prompt's new full blocks go into it. cacheable: only the last token's logits are wanted (a hit
-        has no logits for the tokens it reuses)."""
+        """A new sequence's first tokens (a prompt), in passes along its segments (context.prefill_bounds), in the
+        model's prefill layout where it has one; the leading segments come from the prompt cache where it holds them,
+        and the prompt's other segments go into it. cacheable: only the last token's logits are wanted (a hit has no
+        logits for the tokens it reuses)."""
         context = self.check_room(len(tokens))
         model, n_seq = self.model, context.n_seq
         elsewhere = model.prefill_model if len(tokens) >= PREFILL_MIN_TOKENS else None
         cache = self.pool.prompt_cache if cacheable else None
         if cache is not None and not cache.enabled:
             cache = None
-        # Blocks computed in one layout, in contexts of one shape, are given to prefills that would compute them so
+        # Segments computed in one layout, in contexts of one shape, are given to prefills that would compute them so
         owner = (elsewhere or model, n_seq)
+        ends = prefill_bounds(tokens, model.segment_marks)
         reused, tick = [], time.perf_counter()
-        if cache is not None:  # (blocks are cached only once kv_format is known)
-            reused = cache.match(owner, tokens, PREFILL_BLOCK, most=(len(tokens) - 1) // PREFILL_BLOCK)
-        start = len(reused) * PREFILL_BLOCK
-        cached = kv_blocks.join(model.kv_format, reused, PREFILL_BLOCK, n_seq) if reused else None
+        if cache is not None:  # (segments are cached only once kv_format is known)
+            reused = cache.match(owner, tokens, ends, most=len(ends) - 1)
+        start = ends[len(reused) - 1] if reused else 0
+        cached = kv_blocks.join(model.kv_format, reused, n_seq) if reused else None
         self.prompt_cache_s = time.perf_counter() - tick
         state = None
         if elsewhere is not None:
@@ -117,13 +118,13 @@ class LlamaCppRunner:
                 context.remove(self.seq, 0)
                 raise
         self._length, self.prompt_tokens_reused = len(tokens), start
-        new = len(tokens) // PREFILL_BLOCK - len(reused)
-        if cache is not None and new > 0:
+        if cache is not None:  # every new segment, the last too: a longer prompt cut there, or the same again, reuses it
             tick = time.perf_counter()
-            cut = kv_blocks.split(state or context.save_state(self.seq), PREFILL_BLOCK, len(reused), new)
+            spans = list(zip([start, *ends[len(reused):-1]], ends[len(reused):]))
+            cut = kv_blocks.split(state or context.save_state(self.seq), spans)
             if cut is not None:
-                model.kv_format, blocks = cut
-                cache.insert(owner, tokens, PREFILL_BLOCK, len(reused), blocks)
+                model.kv_format, segments = cut
+                cache.insert(owner, tokens, ends, len(reused), segments)
             self.prompt_cache_s += time.perf_counter() - tick
         return rows
 
