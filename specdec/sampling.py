@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -29,6 +30,17 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1): the same indices (the first of equal maxima; a NaN counts as the maximum), through numpy
+    for CPU tensors of float types it holds. torch's reduction over a vocabulary-sized row takes 0.15-0.3 ms on a
+    2-core machine (more with its thread pool busy), numpy's ~0.01 ms, and greedy decoding takes one per draft token
+    and per verified row (tests/test_sampling.py checks the two agree)."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float16, torch.float64) \
+            and logits.dim() > 0 and logits.shape[-1] > 0:
+        return torch.from_numpy(np.asarray(logits.detach().numpy().argmax(axis=-1), dtype=np.int64))
+    return logits.argmax(dim=-1)
 
 
 def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.sampling import sample
+from specdec.sampling import argmax, sample
 
 
 def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,7 +22,7 @@ def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     -> tokens [batch, k+1] (row b is valid up to n_accepted[b] + 1), n_accepted [batch]
     """
     k = draft_tokens.shape[1]
-    target_choice = target_logits.argmax(dim=-1)  # [batch, k+1]
+    target_choice = argmax(target_logits)  # [batch, k+1]
     matches = draft_tokens == target_choice[:, :k]  # [batch, k]
     n_accepted = matches.int().cumprod(dim=-1).sum(dim=-1)  # [batch]
     # Accepted draft tokens equal the target's choice, so the target's row is the emitted sequence.

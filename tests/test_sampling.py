@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specdec.sampling import SamplingConfig, logits_to_probs, make_generator, sample
+from specdec.sampling import SamplingConfig, argmax, logits_to_probs, make_generator, sample
 
 from conftest import reference_probs
 
@@ -79,3 +79,17 @@ def test_sample_follows_the_distribution_and_the_check_catches_a_wrong_one():
     assert chisquare(counts, probs.double() * 20_000).pvalue > 1e-3
     wrong = torch.tensor([0.45, 0.30, 0.15, 0.07, 0.03]).double()  # negative control: 5 points moved
     assert chisquare(counts, wrong * 20_000).pvalue < 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.bfloat16])
+def test_argmax_gives_torch_s_indices_ties_nan_infinities_and_strided_views_included(dtype):
+    rows = torch.randn(6, 3, 1000, generator=torch.Generator().manual_seed(5)).to(dtype)
+    rows[0, 0, 10] = rows[0, 0, 700] = 50  # a tie: the first
+    rows[1, 1, :] = float("-inf")  # every token forbidden
+    rows[2, 2, 3] = float("inf")
+    rows[3, 0, 999] = float("nan")  # NaN counts as the maximum
+    rows[4, 1, :] = 0  # all equal
+    for logits in (rows, rows[..., :800], rows[:, 1], rows[0, 0], rows.transpose(0, 1)):
+        assert torch.equal(argmax(logits), logits.argmax(dim=-1))
+    # negative control: the comparison sees a different index
+    assert not torch.equal(argmax(rows[..., 1:]), rows.argmax(dim=-1))

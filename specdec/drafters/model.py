@@ -9,7 +9,7 @@ import torch
 
 from specdec.drafters.base import Drafter, Pools, Proposal
 from specdec.runtimes.base import Runner
-from specdec.sampling import SamplingConfig, logits_to_probs, sample
+from specdec.sampling import SamplingConfig, argmax, logits_to_probs, sample
 
 
 def common_prefix_length(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -81,7 +81,7 @@ class ModelDrafter(Drafter):
                 self.outside_mass += float((1 - kept.exp()).sum())
                 logits = logits.masked_fill(~allowed, float("-inf"))
             if sampling.greedy:
-                token, q = logits.argmax(dim=-1), None
+                token, q = argmax(logits), None
             else:
                 q = logits_to_probs(logits, sampling)
                 token = sample(q, generator)
