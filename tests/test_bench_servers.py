@@ -283,6 +283,43 @@ def test_run_against_stand_ins_records_every_request_and_saves_the_results(fake,
     assert s["same_text"]["llama-a"] == {"same": 0, "compared": 8}
 
 
+def test_concurrent_clients_send_every_prompt_to_each_server_at_once_and_the_all_column_is_throughput(fake, tmp_path):
+    under_test = [Server("llama-a", fake_argv(fake, "llama-a"), baseline=True),
+                  Server("specdec", fake_argv(fake, "same"), token_ids=True),
+                  Server(REFERENCE, fake_argv(fake, "same-ref"), token_ids=True)]
+    prompts, warmup = servers.load_prompts(("chat", "maths", "translation"))
+    results = {"servers": {}, "records": [], "settings": {"concurrent": 3}}
+    servers.run_servers(under_test, prompts, warmup, max_tokens=5, rounds=2, out=tmp_path, results=results,
+                        startup_timeout=60, progress=False, concurrent=3)
+    records, bursts = results["records"], results["bursts"]
+    assert len(records) == 3 * 6 * 2 and not any("error" in r for r in records)
+    assert [(b["server"], b["round"]) for b in bursts] == [("llama-a", 0), ("specdec", 0), (REFERENCE, 0),
+                                                           ("specdec", 1), (REFERENCE, 1), ("llama-a", 1)]
+    assert all(b["completion_tokens"] == 6 * 5 for b in bursts)
+    # a burst lasts as long as its slowest client's requests, no longer than all of its requests one after another
+    for b in bursts:
+        mine = [r for r in records if (r["server"], r["round"]) == (b["server"], b["round"])]
+        assert max(r["wall_s"] for r in mine) <= b["wall_s"] <= sum(r["wall_s"] for r in mine) + 1.0
+    s = servers.summarise(results)
+    for name in ("llama-a", "specdec"):
+        seconds = sum(b["wall_s"] for b in bursts if b["server"] == name)
+        assert s["tokens_per_s"][name]["all"] == pytest.approx(60 / seconds)
+        assert s["counts"][name]["wall_s"] == pytest.approx(seconds)
+    assert s["tokens_per_s"]["specdec"]["chat"] == pytest.approx(servers._rate(
+        [r for r in records if (r["server"], r["kind"]) == ("specdec", "chat")]))  # a kind's column: per request
+
+
+def test_concurrent_servers_run_as_many_slots():
+    setup = servers.Setup(Path("/bin/llama-server"), "target.gguf", "draft.gguf", 2, concurrent=8)
+    llama = servers.SERVERS["llama-server"].argv(setup)
+    assert llama[llama.index("-np") + 1] == "8" and llama[llama.index("-c") + 1] == str(8 * servers.CONTEXT)
+    ours = servers.SERVERS["specdec"].argv(setup)
+    assert ours[ours.index("--max-batch") + 1] == "8"
+    alone = servers.Setup(Path("/bin/llama-server"), "target.gguf", "draft.gguf", 2)
+    assert "--max-batch" not in servers.SERVERS["specdec"].argv(alone)  # one at a time: the server's defaults
+    assert servers.SERVERS["llama-server"].argv(alone)[servers.SERVERS["llama-server"].argv(alone).index("-np") + 1] == "1"
+
+
 def test_the_command_writes_results_and_report_and_refuses_unknown_names(fake, tmp_path, monkeypatch):
     monkeypatch.setattr(servers, "SERVERS", {
         "llama-a": Config(True, lambda s: fake_argv(fake, "llama-a")),

@@ -54,6 +54,7 @@ class Setup:
     target: str  # registry name or .gguf file
     draft: str
     threads: int
+    concurrent: int = 1  # requests in flight at once: llama-server's slots (-np), specdec's --max-batch
 
     def gguf(self, name: str) -> str:
         return name if name.endswith(".gguf") else str(registry.gguf_file(name))
@@ -82,8 +83,10 @@ LLAMA_SERVER_FALLBACK = ("--no-repack",)
 
 
 def _llama_server(setup: Setup, *extra: str) -> tuple[str, ...]:
-    return (str(setup.llama_server), "-m", setup.gguf(setup.target), "-t", str(setup.threads), "-c", str(CONTEXT),
-            "-np", "1", "--host", "127.0.0.1", "--port", PORT, *extra)
+    # -c is shared among the -np slots: CONTEXT tokens each
+    return (str(setup.llama_server), "-m", setup.gguf(setup.target), "-t", str(setup.threads), "-c",
+            str(CONTEXT * setup.concurrent), "-np", str(setup.concurrent), "--host", "127.0.0.1", "--port", PORT,
+            *extra)
 
 
 def llama_server(name: str, setup: Setup, *extra: str) -> Server:
@@ -93,8 +96,9 @@ def llama_server(name: str, setup: Setup, *extra: str) -> Server:
 
 
 def _specdec_serve(setup: Setup, draft: str) -> tuple[str, ...]:
+    batch = ("--max-batch", str(setup.concurrent)) if setup.concurrent > 1 else ()  # else its default
     return (sys.executable, "-m", "specdec.cli", "serve", "--target", setup.target, "--draft", draft, "--threads",
-            str(setup.threads), "--host", "127.0.0.1", "--port", PORT)
+            str(setup.threads), *batch, "--host", "127.0.0.1", "--port", PORT)
 
 
 @dataclass(frozen=True)
@@ -292,9 +296,13 @@ def ask(client, model: str, prompt: str | list[dict], max_tokens: int, token_ids
 
 
 def run_servers(servers: list[Server], prompts: list[dict], warmup: dict, max_tokens: int, rounds: int,
-                out: Path, results: dict, startup_timeout: float = 1800.0, progress: bool = True) -> dict:
+                out: Path, results: dict, startup_timeout: float = 1800.0, progress: bool = True,
+                concurrent: int = 1) -> dict:
     """Start every server, warm each up, then run the schedule; results["records"] gains one record per request
-    and results is saved to out/results.json after every prompt. The servers are stopped however this ends."""
+    and results is saved to out/results.json after every prompt. The servers are stopped however this ends.
+    concurrent > 1: each round, every server in turn (order rotated per round) gets the whole prompt set from that
+    many clients at once, each client sending the next prompt not yet sent when its last answer is in; the wall
+    time of each such burst goes to results["bursts"]."""
     import contextlib
 
     import openai
@@ -322,6 +330,8 @@ def run_servers(servers: list[Server], prompts: list[dict], warmup: dict, max_to
             print(f"{server.name} ready in {proc.startup_s:.1f} s", file=sys.stderr, flush=True)
         for server, proc, client, model in running.values():  # first passes over cold weights: not measured
             _request(proc, client, model, warmup, min(16, max_tokens), server.token_ids)
+        if concurrent > 1:
+            return _run_bursts(running, prompts, max_tokens, rounds, concurrent, path, results, progress)
         turns = schedule(prompts, [s.name for s in servers], rounds)
         with tqdm(total=len(turns) * len(servers), unit="request", disable=not progress, file=sys.stderr,
                   dynamic_ncols=True) as bar:
@@ -333,6 +343,41 @@ def run_servers(servers: list[Server], prompts: list[dict], warmup: dict, max_to
                     results["records"].append({"server": name, "round": round_, "kind": prompt["kind"],
                                                "prompt_id": prompt["id"], **record})
                     bar.update()
+                save(results, path)
+    return results
+
+
+def _run_bursts(running: dict, prompts: list[dict], max_tokens: int, rounds: int, concurrent: int, path: Path,
+                results: dict, progress: bool) -> dict:
+    """run_servers' schedule with `concurrent` clients at once (see there)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tqdm import tqdm
+
+    from specdec.bench.runner import save
+
+    results.setdefault("bursts", [])
+    names = list(running)
+    with tqdm(total=rounds * len(names) * len(prompts), unit="request", disable=not progress, file=sys.stderr,
+              dynamic_ncols=True) as bar, ThreadPoolExecutor(concurrent) as clients:
+        for round_ in range(rounds):
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
+                server, proc, client, model = running[name]
+                bar.set_description(f"round {round_ + 1} {name}")
+
+                def one(prompt: dict) -> dict:
+                    record = _request(proc, client, model, prompt, max_tokens, server.token_ids)
+                    bar.update()
+                    return {"server": name, "round": round_, "kind": prompt["kind"], "prompt_id": prompt["id"],
+                            **record}
+
+                started = time.perf_counter()
+                records = list(clients.map(one, prompts))  # (map hands the prompts out in order, one per free client)
+                wall_s = time.perf_counter() - started
+                results["records"] += records
+                results["bursts"].append({"server": name, "round": round_, "wall_s": wall_s,
+                                          "completion_tokens": sum(r.get("completion_tokens") or 0 for r in records)})
                 save(results, path)
     return results
 
@@ -403,6 +448,11 @@ def summarise(results: dict) -> dict:
         groups[r["server"], ALL_KINDS].append(r)
     columns = [*kinds, ALL_KINDS]
     rate = {server: {kind: _rate(groups[server, kind]) for kind in columns} for server in servers}
+    bursts = results.get("bursts") or []
+    for server in servers if bursts else ():  # concurrent clients: over all kinds, all tokens over all bursts' time
+        mine = [b for b in bursts if b["server"] == server]
+        seconds = sum(b["wall_s"] for b in mine)
+        rate[server][ALL_KINDS] = sum(b["completion_tokens"] for b in mine) / seconds if seconds > 0 else None
     best = {}
     for kind in columns:
         measured = [(rate[name][kind], name) for name in baselines if rate[name][kind] is not None]
@@ -421,7 +471,8 @@ def summarise(results: dict) -> dict:
     counts = {server: {"requests": sum(r["server"] == server for r in records),
                        "failed": sum(r["server"] == server and "error" in r for r in records),
                        "completion_tokens": sum(r["completion_tokens"] for r in groups[server, ALL_KINDS]),
-                       "wall_s": sum(r["wall_s"] for r in groups[server, ALL_KINDS]),
+                       "wall_s": (sum(b["wall_s"] for b in bursts if b["server"] == server) if bursts
+                                  else sum(r["wall_s"] for r in groups[server, ALL_KINDS])),
                        "prompt_tokens_mean": (sum(r["prompt_tokens"] for r in groups[server, ALL_KINDS])
                                               / len(groups[server, ALL_KINDS]) if groups[server, ALL_KINDS] else None),
                        "decode_tokens_per_s": _decode_rate(groups[server, ALL_KINDS]),
@@ -457,10 +508,16 @@ def report(results: dict) -> str:
              f"llama-cpp-python {results['versions'].get('llama-cpp-python')}, specdec's kernel patch "
              f"{results.get('patch_md5')}; {_describe_baseline(results.get('llama_server'))}  ",
              f"Greedy chat completions of at most {settings['max_tokens']} tokens, {settings['threads']} threads per "
-             f"server, {settings['rounds']} round(s) of {settings['prompts']} prompts ({', '.join(s['kinds'])}); one "
-             "request at a time across all servers, each prompt answered by every server in turn (order rotated "
-             "per prompt). Wall time per request, prefill included; tokens/s pooled (all completion tokens / all "
-             "seconds).", "", "## Tokens/s", ""]
+             f"server, {settings['rounds']} round(s) of {settings['prompts']} prompts ({', '.join(s['kinds'])}); "
+             + (f"**{settings['concurrent']} clients at once**: each round every server in turn (order rotated per "
+                "round) answers the whole prompt set, each client sending the next prompt when its answer is in "
+                "(llama-server with as many slots, -np; specdec with --max-batch). Column \"all\": throughput, all "
+                "completion tokens over the servers' burst wall time; the kinds' columns: per request, tokens over "
+                "each request's own wall time (prefill and waiting included)."
+                if settings.get("concurrent", 1) > 1 else
+                "one request at a time across all servers, each prompt answered by every server in turn (order "
+                "rotated per prompt). Wall time per request, prefill included; tokens/s pooled (all completion "
+                "tokens / all seconds)."), "", "## Tokens/s", ""]
     rows = []
     for server in s["servers"]:
         c = s["counts"][server]
@@ -489,7 +546,8 @@ def report(results: dict) -> str:
                   "lookup drafts from earlier answers too.", ""]
         rows = []
         for round_ in range(settings["rounds"]):
-            part = summarise({**results, "records": [r for r in results["records"] if r["round"] == round_]})
+            part = summarise({**results, "records": [r for r in results["records"] if r["round"] == round_],
+                              "bursts": [b for b in results.get("bursts", []) if b["round"] == round_]})
             for server in part["servers"]:
                 c = part["counts"][server]
                 vs = part["vs_best"].get(server, {}).get(ALL_KINDS)
@@ -582,6 +640,10 @@ def add_bench_servers_parser(subparsers) -> argparse.ArgumentParser:
                                                               "%(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of every server (default: every core this process may use)")
+    parser.add_argument("--concurrent", type=int, default=1,
+                        help="clients sending requests at once to each server in turn, which then runs that many "
+                             "slots (llama-server -np, specdec --max-batch); the report's \"all\" column is then "
+                             "throughput (default: %(default)s, one request at a time)")
     parser.add_argument("--startup-timeout", type=float, default=1800.0,
                         help="seconds a server may take to become ready; specdec serve calibrates its kernels on "
                              "the first start on a machine (default: %(default)s)")
@@ -600,15 +662,15 @@ def run_bench_servers(args) -> int:
                    "--servers")
     kinds = tuple(_names(args.kinds, KINDS, "--kinds"))
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    if min(args.max_tokens, args.rounds, threads) < 1 or args.startup_timeout <= 0:
-        raise ValueError("--max-tokens, --rounds and --threads must be >= 1, --startup-timeout > 0")
+    if min(args.max_tokens, args.rounds, threads, args.concurrent) < 1 or args.startup_timeout <= 0:
+        raise ValueError("--max-tokens, --rounds, --threads and --concurrent must be >= 1, --startup-timeout > 0")
     binary = None
     if any(SERVERS[name].baseline for name in names):
         binary = Path(args.llama_server) if args.llama_server else default_llama_server()
         if not binary.is_file():
             raise FileNotFoundError(f"no llama-server at {binary}: build it with `make llama-server`"
                                     + (" or pass --llama-server PATH" if not args.llama_server else ""))
-    setup = Setup(binary, args.target, args.draft, threads)
+    setup = Setup(binary, args.target, args.draft, threads, args.concurrent)
     servers = [SERVERS[name].server(name, setup) for name in names]
     prompts, warmup = load_prompts(kinds)
     out = Path(args.out)
@@ -619,10 +681,12 @@ def run_bench_servers(args) -> int:
                "patch_md5": kernel_patch_hash(), "llama_server": _describe_binary(binary),
                "settings": {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": threads,
                             "kinds": list(kinds), "prompts": len(prompts), "context": CONTEXT,
+                            "concurrent": args.concurrent,
                             "target": args.target, "draft": args.draft},
                "servers": {}, "records": []}
     return measure_and_keep(lambda: run_servers(servers, prompts, warmup, args.max_tokens, args.rounds, out, results,
-                                                args.startup_timeout), results, out, report)
+                                                args.startup_timeout, concurrent=args.concurrent),
+                            results, out, report)
 
 
 def measure_and_keep(measure: Callable[[], object], results: dict, out: Path, report: Callable[[dict], str]) -> int:
