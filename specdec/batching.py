@@ -12,6 +12,7 @@ pass that fails is evaluated again one sequence at a time, so that only the fail
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from typing import Callable
@@ -26,6 +27,8 @@ from specdec.requests import Request
 from specdec.runtimes import runtime_of
 from specdec.runtimes.base import Runner, SequencePool
 from specdec.sampling import make_generator
+
+log = logging.getLogger(__name__)
 
 PassCost = Callable[[list[tuple[Runner, int]]], float]
 
@@ -263,12 +266,21 @@ class Batch:
                     outcome = error
             results.append((sequence, outcome))
             if isinstance(outcome, Exception) or outcome.finish_reason:
+                if not isinstance(outcome, Exception):
+                    self._keep_answer(sequence)
                 sequence.close()
                 sequence.last = outcome if not isinstance(outcome, Exception) else None
             else:
                 still.append(sequence)
         self.active = still
         return results
+
+    def _keep_answer(self, sequence: Generation) -> None:
+        """Cache a finished request's answer for its conversation's next turn; a failure costs that reuse only."""
+        try:
+            self.generator.keep_answer(sequence)
+        except Exception as error:  # (the answer itself is complete and already out)
+            log.warning("could not cache an answer for the next turn: %s", error)
 
     @staticmethod
     def _chunk(sequence: Generation, step: Step) -> Chunk:

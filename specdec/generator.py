@@ -90,6 +90,22 @@ class SpeculativeGenerator:
         self.eos_ids = self.runtime.eos_ids(self.target) | (
             {self.tokenizer.eos_token_id} if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else set())
+        if hasattr(self.target, "answer_start"):
+            # The runtime prefills a chat's answers as decoding computed them, and caches an answer for the
+            # conversation's next turn: it must know where answers are (with or without a cache: the same passes)
+            self.target.answer_start, self.target.answer_end = answer_marks(self.tokenizer)
+
+    def keep_answer(self, sequence) -> None:
+        """A finished chat request's answer (a batching.Generation) into the prompt cache, where its runtime keeps
+        answers (the llama.cpp runtime: LlamaCppRunner.keep_answer), for the conversation's next turn."""
+        runner, decoding = sequence.decoding.target, sequence.decoding
+        if self.prompt_cache is None or not hasattr(runner, "keep_answer"):
+            return
+        answer = decoding.context[0, len(sequence.request.prompt_ids):len(sequence.request.prompt_ids)
+                                  + decoding.emitted].tolist()
+        while answer and answer[-1] in self.eos_ids:
+            answer.pop()
+        runner.keep_answer(answer)
 
     def kernel_plans(self) -> dict[str, str]:
         """{"target": ..., "draft": ...}: which kernels each model runs its passes of each width with, in words, where
@@ -268,3 +284,27 @@ class SpeculativeGenerator:
             if self.draft_costs is not None:
                 priors["prior_draft_cost"] = self.draft_costs.step_s / self.target_costs.step_s
         return priors
+
+
+def answer_marks(tokenizer) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:
+    """(the tokens a tokenizer's chat template writes before an assistant's reply, those it writes after it), from
+    the template itself: the prompt it renders for a question with and without the generation prompt, and with a
+    reply. (None, None) where it has no template or they cannot be told apart."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None, None
+    question, reply = [{"role": "user", "content": "Q"}], "SPECDEC-REPLY"
+    try:
+        asked = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=True)
+        bare = tokenizer.apply_chat_template(question, tokenize=False, add_generation_prompt=False)
+        answered = tokenizer.apply_chat_template([*question, {"role": "assistant", "content": reply}],
+                                                 tokenize=False, add_generation_prompt=False)
+    except Exception:  # a template that refuses these messages (jinja2 errors and others): no answers
+        return None, None
+    if not (asked.startswith(bare) and answered.startswith(asked) and reply in answered[len(asked):]):
+        return None, None
+    before, after = asked[len(bare):], answered[len(asked):].split(reply, 1)
+    if after[0] or not before:
+        return None, None
+    start = tuple(tokenizer(before, add_special_tokens=False)["input_ids"])
+    end = tuple(tokenizer(after[1], add_special_tokens=False)["input_ids"])
+    return (start, end) if start else (None, None)

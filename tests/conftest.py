@@ -375,16 +375,13 @@ def prefills_in_passes_of(monkeypatch, width: int):
     """Within: llama.cpp prompts are prefilled in passes of `width` tokens from where they start, not along their
     segments: 1, as decoding writes an answer's cache entries; a prompt's length, as llama-server computes the entries
     its slots reuse (what a cache that reused such entries would hand to later prompts)."""
-    from specdec.runtimes.llamacpp import context, model as model_module, runner as runner_module
+    from specdec.runtimes.llamacpp import runner as runner_module
 
-    def cut_otherwise(model, ctx, seq, tokens, wanted, start=0):
-        return [row for begin in range(start, len(tokens), width)
-                for row in context.evaluate(model, ctx, [(seq, i, tokens[i], wanted[i])
-                                                         for i in range(begin, min(begin + width, len(tokens)))])]
+    def cut_otherwise(tokens, segments, start, width_at, elsewhere):
+        return [(begin, min(begin + width, len(tokens)), False) for begin in range(start, len(tokens), width)]
 
     with monkeypatch.context() as patch:
-        patch.setattr(runner_module, "evaluate_prompt", cut_otherwise)
-        patch.setattr(model_module, "evaluate_prompt", cut_otherwise)
+        patch.setattr(runner_module, "plan_passes", cut_otherwise)
         yield
 
 

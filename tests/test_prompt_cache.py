@@ -166,6 +166,40 @@ def test_chat_prompts_reuse_the_messages_they_share_and_prefill_the_logits_of_a_
         assert torch.equal(warm, prefill_through(model, tokens, None)[0])
 
 
+QUESTIONS = ("How do I read a text file line by line and strip the newline from each line?",
+             "And how would I skip the lines that are empty or hold only spaces?",
+             "Can you show the same thing with a list comprehension over the open file?")
+
+
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.8, "seed": 3}], ids=["greedy", "seeded"])
+def test_a_conversation_reuses_its_last_answer_and_answers_as_without_the_cache(smollm, settings):
+    """Each answer goes into the cache as the runner generated it (keep_answer): the next turn takes everything before
+    its new question from the cache, and every answer equals a generator's without the cache."""
+    model, tokenizer = smollm
+    cached = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=64)
+    cold = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=0)
+    assert tokenizer.decode(list(model.answer_start)) == "<|im_start|>assistant\n"  # from SmolLM2's ChatML template
+    assert model.answer_end and model.answer_end[0] in model.eos_ids  # "<|im_end|>\n"
+    mark = model.answer_start[0]
+    messages = [SYSTEM]
+    for turn, question in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": question})
+        warm = cached.generate(messages, chat=True, max_new_tokens=24, **settings)
+        assert warm.token_ids == cold.generate(messages, chat=True, max_new_tokens=24, **settings).token_ids
+        tokens = chat_prompt(tokenizer, messages)
+        starts = [i for i, token in enumerate(tokens) if token == mark]
+        if turn:  # the system message, the questions and answers before: all but the new question's segment
+            question = max(end for end in prefill_bounds(tokens, model.segment_marks, model.answer_start)
+                           if end <= starts[-2])
+            # An answer whose text the tokenizer reads back as other tokens (a sample can take a rare split of a
+            # word) is another prompt: then everything before that answer
+            assert warm.stats.cached_prompt_tokens == (question if round_trips else starts[-3])
+            assert question > starts[-3]
+        round_trips = tokenizer(warm.text, add_special_tokens=False)["input_ids"] == [
+            token for token in warm.token_ids if token not in model.eos_ids]
+        messages.append({"role": "assistant", "content": warm.text})
+
+
 def test_answers_with_hits_equal_answers_without_the_cache_greedy_and_seeded(smollm):
     model, tokenizer = smollm
     cached = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=64)
@@ -182,12 +216,12 @@ def test_answers_with_hits_equal_answers_without_the_cache_greedy_and_seeded(smo
 
 
 def test_a_prefill_that_fails_half_way_caches_nothing_and_leaves_the_pool_usable(smollm, monkeypatch):
-    from specdec.runtimes.llamacpp import context
+    from specdec.runtimes.llamacpp import runner
 
     model, tokenizer = smollm
     tokens = conversation_prompts(tokenizer, 5)[-1]
     cache = PromptCache(256 * 2**20)
-    real, calls = context.evaluate, []
+    real, calls = runner.evaluate, []
 
     def fails_in_the_second_pass(*args):
         calls.append(1)
@@ -196,7 +230,7 @@ def test_a_prefill_that_fails_half_way_caches_nothing_and_leaves_the_pool_usable
         return real(*args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(context, "evaluate", fails_in_the_second_pass)
+        patch.setattr(runner, "evaluate", fails_in_the_second_pass)
         with pytest.raises(KeyboardInterrupt):
             prefill_through(model, tokens, cache)
     assert len(calls) == 2 and cache.stats.segments == 0 and cache.stats.bytes == 0
@@ -222,7 +256,7 @@ def test_a_state_cut_into_spans_and_joined_restores_the_sequence(smollm):
     assert kv_blocks.split(state, [(7, 7)]) is None
     assert kv_blocks.split(b"not a state", [(0, 1)]) is None
     slots.context.load_state(kv_blocks.join(form, pieces, 3), target.seq)
-    target.advance(2 * llamacpp.PREFILL_BLOCK)
+    target.advance(tokens[:2 * llamacpp.PREFILL_BLOCK])
     source.rollback(2 * llamacpp.PREFILL_BLOCK)
     rest = torch.tensor([tokens[2 * llamacpp.PREFILL_BLOCK:]])
     assert torch.equal(target.forward(rest), source.forward(rest))

@@ -434,6 +434,34 @@ def test_a_shared_system_message_is_reused_exactly_and_one_computed_inside_a_lon
     assert reused == system and not torch.equal(wrong, cold)
 
 
+def test_a_cached_answer_prefills_cold_logits_and_an_answer_prefilled_in_one_pass_is_caught(pair, monkeypatch):
+    """The default pair generates an answer, which goes into the prompt cache as decoding computed it; the next turn
+    reuses it and prefills the logits of a cold prefill bit for bit (whose answer segments run in passes of the exact
+    verify width). Negative control: a cold prefill that runs the answer in one pass, as any other message, gives
+    other logits: entries from decoding are reusable only because answers are prefilled as decoding computes them."""
+    from specdec.runtimes.llamacpp import runner as runner_module
+
+    speculative, _ = pair
+    model, tokenizer = speculative.target, speculative.tokenizer
+    messages = [{"role": "user", "content": "Write a Python function that returns the n-th Fibonacci number, "
+                                            "iteratively, with a docstring."}]
+    answer = speculative.generate(messages, chat=True, max_new_tokens=48)
+    messages += [{"role": "assistant", "content": answer.text},
+                 {"role": "user", "content": "Now make it return the whole sequence up to n as a list."}]
+    tokens = speculative.encode(messages, chat=True)
+    question = max(i for i, token in enumerate(tokens[:-3]) if token == model.answer_start[0])
+    warm, reused = prefill_through(model, tokens, speculative.prompt_cache)
+    assert reused == question  # everything but the new question (and the answer's start)
+    cold, _ = prefill_through(model, tokens, None)
+    assert torch.equal(warm, cold)
+    planned = runner_module.plan_passes
+    with monkeypatch.context() as patch:
+        patch.setattr(runner_module, "plan_passes", lambda tokens, segments, *rest: planned(
+            tokens, [(end, False) for end, _ in segments], *rest))
+        wrong, _ = prefill_through(model, tokens, None)
+    assert not torch.equal(wrong, cold)
+
+
 def test_a_five_turn_conversation_through_the_server_answers_as_a_server_without_the_cache(pair):
     """The default pair and drafter, greedy, the OpenAI client: each turn's answer in the next turn's history; the
     same requests on a server with no prompt cache give the same answers, token for token."""

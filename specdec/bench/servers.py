@@ -542,8 +542,9 @@ def report(results: dict) -> str:
                   "In round 1 every server sees each prompt for the first time. From round 2 on, llama-server answers "
                   "prompts it has seen: its prompt cache in RAM restores their KV cache (the time to the first token "
                   "shows it), and its n-gram speculation drafts from its own earlier answers. specdec's prompt "
-                  "cache restores only the prompt's whole blocks (128 tokens) and prefills the rest, and its suffix "
-                  "lookup drafts from earlier answers too.", ""]
+                  "cache restores the segments of the prompt that a prefill computed (messages and 128-token "
+                  "blocks: all but the answer's start), exactly, and its suffix lookup drafts from earlier answers "
+                  "too.", ""]
         rows = []
         for round_ in range(settings["rounds"]):
             part = summarise({**results, "records": [r for r in results["records"] if r["round"] == round_],

@@ -249,7 +249,7 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
         length = prefix_of[i]
         if length in states:  # a copy of the slot prefilled before: equal contents, at no second prefill's cost
             slots.context.load_state(states[length], runner.seq)
-            runner.advance(length)
+            runner.advance(prompts[length][0].tolist())
         else:
             prefill_exact &= torch.equal(runner.forward(prompts[length], last_only=True), alone_prefill[length])
             states[length] = slots.context.save_state(runner.seq)

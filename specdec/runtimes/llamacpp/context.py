@@ -26,13 +26,19 @@ if TYPE_CHECKING:
 
 INITIAL_CONTEXT = 2048  # tokens a pool of one allocates up front; it grows by doubling
 BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several), as llama-cpp-python's default n_batch
-# A prompt is prefilled in passes along boundaries that its tokens alone decide (prefill_bounds): the positions
+# A prompt is prefilled in passes along boundaries that its tokens alone decide (prefill_segments): the positions
 # PREFILL_BLOCK, 2 * PREFILL_BLOCK, ..., and the start of each message of a chat (a segment mark: LlamaCppModel's
 # segment_marks, such as ChatML's <|im_start|>) that leaves at least PREFILL_MIN_SEGMENT tokens on either side before
-# the next block boundary and after the boundary before. Cached or not, a prompt's cache entries are then computed
-# in the same passes, and the prompt cache (specdec.prompt_cache) keeps them per segment: a system message, every
-# message a conversation resent, a long document's blocks. Each pass streams the weights once more (BENCHMARKS.md,
-# "Prompt cache").
+# the next block boundary and after the boundary before; an answer's start (the model's answer_start: the tokens a
+# chat template writes before the assistant's reply) always. Cached or not, a prompt's cache entries are then
+# computed in the same passes, and the prompt cache (specdec.prompt_cache) keeps them per segment: a system message,
+# every message a conversation resent, a long document's blocks. Each pass streams the weights once more
+# (BENCHMARKS.md, "Prompt cache").
+#
+# The segments of an answer (from an answer's start to the next message) are prefilled in passes no wider than the
+# model's exact verify width, whose logits and cache entries are those of one-token passes bit for bit: what decoding
+# wrote while it generated that answer. So an answer that the runner just generated is cached as if a prefill had
+# computed it (LlamaCppRunner.keep_answer), and the next turn of the conversation reuses it.
 PREFILL_BLOCK = 128
 PREFILL_MIN_SEGMENT = 16
 
@@ -117,36 +123,43 @@ def _free_context(lib, ctx, batch) -> None:
     lib.llama_free(ctx)
 
 
-def prefill_bounds(tokens: list[int], marks: frozenset[int]) -> list[int]:
-    """Where the passes that prefill `tokens` end, in order (the last is len(tokens)): see PREFILL_BLOCK. Each
-    depends on the tokens before it and the one at it, so prompts that start alike are cut alike up to where they
-    part."""
-    ends, last = [], 0
-    for i, token in enumerate(tokens):
-        if i == 0:
-            continue
-        if i % PREFILL_BLOCK == 0 or (token in marks and i - last >= PREFILL_MIN_SEGMENT
-                                      and -i % PREFILL_BLOCK >= PREFILL_MIN_SEGMENT):
-            ends.append(i)
+def prefill_segments(tokens: list[int], marks: frozenset[int], answer_start: tuple[int, ...] | None = None
+                     ) -> list[tuple[int, bool]]:
+    """(end, whether it is part of an answer) of each segment of `tokens`, in order (the last ends at len(tokens)):
+    see PREFILL_BLOCK. Each boundary depends on the tokens before it and the few at it, so prompts that start alike
+    are cut alike up to where they part; a segment is part of an answer when the last mark at or before its start
+    begins answer_start."""
+    answer_start = tuple(answer_start or ())
+    segments, last, in_answer = [], 0, False
+
+    def answers_at(i: int) -> bool:
+        return bool(answer_start) and tuple(tokens[i:i + len(answer_start)]) == answer_start
+
+    if tokens and tokens[0] in marks:
+        in_answer = answers_at(0)
+    kind = in_answer
+    for i in range(1, len(tokens)):
+        token = tokens[i]
+        mark = token in marks
+        answer = mark and answers_at(i)
+        if i % PREFILL_BLOCK == 0 or answer or (mark and i - last >= PREFILL_MIN_SEGMENT
+                                                and -i % PREFILL_BLOCK >= PREFILL_MIN_SEGMENT):
+            segments.append((i, kind))
             last = i
+            if mark:
+                in_answer = answer
+            kind = in_answer
+        elif mark:
+            in_answer = answer  # a message too short to be a segment: the next segment's kind follows it
     if tokens:
-        ends.append(len(tokens))
-    return ends
+        segments.append((len(tokens), kind))
+    return segments
 
 
-def evaluate_prompt(model: LlamaCppModel, context: Context, seq: int, tokens: list[int], wanted: list[bool],
-                    start: int = 0) -> list[np.ndarray]:
-    """A new sequence's tokens from position `start` (0, or a pass boundary up to which its cache holds them
-    already), in passes along prefill_bounds -> the wanted rows of those tokens."""
-    ends = prefill_bounds(tokens, model.segment_marks)
-    if start and start not in ends:
-        raise ValueError(f"a prompt resumes where one of its prefill passes ended ({ends[:8]}...), not at {start}")
-    rows, begin = [], start
-    for end in ends:
-        if end > begin:
-            rows += evaluate(model, context, [(seq, i, tokens[i], wanted[i]) for i in range(begin, end)])
-            begin = end
-    return rows
+def prefill_bounds(tokens: list[int], marks: frozenset[int], answer_start: tuple[int, ...] | None = None
+                   ) -> list[int]:
+    """Where the segments of `tokens` end (prefill_segments)."""
+    return [end for end, _ in prefill_segments(tokens, marks, answer_start)]
 
 
 def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
@@ -273,7 +286,7 @@ class SlotPool:
         for runner, ids in items:
             n = ids.shape[1]
             outputs.append(torch.from_numpy(np.stack(rows[start:start + n]))[None, :, : runner.vocab_size])
-            runner.advance(n)
+            runner.advance(ids[0].tolist())
             start += n
         return outputs
 

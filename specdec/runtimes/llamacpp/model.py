@@ -12,7 +12,7 @@ from specdec.prompt_cache import PromptCache
 from specdec.runtimes.base import PassCosts
 from specdec.runtimes.llamacpp import calibration, kv_blocks
 from specdec.runtimes.llamacpp.context import (DEFAULT_KV_CACHE, INITIAL_CONTEXT, KV_CACHE_BYTES, KV_CACHE_TYPES,
-                                               Context, SlotPool, evaluate_prompt)
+                                               Context, SlotPool)
 from specdec.runtimes.llamacpp.kernels import LLAMA_CPP as LLAMA_CPP_KERNELS
 from specdec.runtimes.llamacpp.kernels import KernelPlan
 from specdec.runtimes.llamacpp.layouts import choose_layouts
@@ -77,6 +77,11 @@ class LlamaCppModel:
         # are prefilled in passes cut before them (context.prefill_bounds), so a conversation's messages are cached
         self.segment_marks = frozenset(i for i in range(self.n_vocab)
                                        if lib.llama_vocab_is_control(vocab, i) and i not in self.eos_ids)
+        # What a chat template writes before the assistant's reply, and after it (ChatML: "<|im_start|>assistant\n",
+        # "<|im_end|>\n"), where the generator that runs this model as its target knows them: prompts cut an
+        # answer's segments to be prefilled as decoding computed them (context.PREFILL_BLOCK). None: no answers.
+        self.answer_start: tuple[int, ...] | None = None
+        self.answer_end: tuple[int, ...] | None = None
         n_head = lib.llama_model_n_head(self.handle)
         head_dim = lib.llama_model_n_embd(self.handle) // max(1, n_head)
         # keys and values of every layer's KV heads
@@ -224,28 +229,25 @@ class LlamaCppModel:
         self._pools[kind].prompt_cache = prompt_cache
         return self._pools[kind]
 
-    def prefill(self, tokens: list[int], wanted: list[bool], n_seq: int = 1, seq: int = 0, cached: bytes | None = None,
-                start: int = 0) -> tuple[list[np.ndarray], bytes]:
-        """Evaluate a new sequence's first tokens as sequence `seq` of a context of n_seq sequences (the shape of the
-        context the sequence continues in: llama.cpp restores a sequence only into one of the same shape), from
-        position `start` on where `cached` holds the cache of the tokens before it (a state from the prompt cache)
-        -> (the wanted logits rows of the tokens from start on, the sequence's KV cache, for another model of these
-        weights to load: load_state)."""
+    def prefill_context(self, n_seq: int, size: int) -> Context:
+        """An empty context of n_seq sequences of at least `size` tokens each, for this model's prompt passes (a
+        prefill model's: the runner moves a sequence's cache here for its prompt's long segments, and back), kept
+        for the next prompt unless it is large (release_prefill_context)."""
         context = self._prefill_context[0]
-        if context is None or not context.alive or context.n_seq != n_seq or context.size < len(tokens):
+        if context is None or not context.alive or context.n_seq != n_seq or context.size < size:
             if context is not None:
                 context.free()
-            size = max(256, 1 << (len(tokens) - 1).bit_length())  # a power of two: few reallocations
+            size = max(256, 1 << (size - 1).bit_length())  # a power of two: few reallocations
             context = self._prefill_context[0] = Context(self, size, n_seq=n_seq)
         context.clear()
-        if cached is not None:
-            context.load_state(cached, seq)
-        rows = evaluate_prompt(self, context, seq, tokens, wanted, start)
-        state = context.save_state(seq)
-        if context.size * n_seq > 2 * INITIAL_CONTEXT:  # a long prompt's cache is not kept around
+        return context
+
+    def release_prefill_context(self) -> None:
+        """Free the prefill context if it is large: a long prompt's cache is not kept around."""
+        context = self._prefill_context[0]
+        if context is not None and context.size * context.n_seq > 2 * INITIAL_CONTEXT:
             context.free()
             self._prefill_context[0] = None
-        return rows, state
 
     @property
     def prefill_tokens_kept(self) -> int:

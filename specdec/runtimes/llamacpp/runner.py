@@ -10,14 +10,36 @@ import numpy as np
 import torch
 
 from specdec.runtimes.llamacpp import kv_blocks
-from specdec.runtimes.llamacpp.context import BATCH, Context, evaluate, evaluate_prompt, prefill_bounds
+from specdec.runtimes.llamacpp.context import BATCH, Context, evaluate, prefill_segments
+from specdec.runtimes.llamacpp.kernels import MAX_WIDTH
 
 if TYPE_CHECKING:
     from specdec.runtimes.llamacpp.context import SlotPool
 
-# A new sequence's first pass of at least this many tokens (a prompt) runs in the model's prefill layout where that
-# differs (LlamaCppModel.prefill_model); shorter ones stay where they are.
-PREFILL_MIN_TOKENS = 32
+# A prompt's segments of at least this many tokens run in the model's prefill layout where that differs
+# (LlamaCppModel.prefill_model: llama.cpp's own kernels, faster for wide passes on some CPUs); shorter ones, and an
+# answer's, run here, in one pass of the kernel plan's widths (its multi-column kernels: faster for a few tokens).
+PREFILL_MIN_TOKENS = MAX_WIDTH + 1
+
+
+def plan_passes(tokens: list[int], segments: list[tuple[int, bool]], start: int, width_at, elsewhere: bool
+                ) -> list[tuple[int, int, bool]]:
+    """The passes that prefill tokens[start:] -> (begin, end, whether it runs in the prefill model): one per segment,
+    an answer's in pieces of width_at(position) tokens at most (the exact verify width), a long one elsewhere where
+    there is an elsewhere. `start` is the end of a segment (or 0)."""
+    passes, begin = [], 0
+    for end, answer in segments:
+        if end > start:
+            if answer:
+                position = begin
+                while position < end:
+                    step = min(end, position + max(1, width_at(position)))
+                    passes.append((position, step, False))
+                    position = step
+            else:
+                passes.append((begin, end, elsewhere and end - begin >= PREFILL_MIN_TOKENS))
+        begin = end
+    return passes
 
 
 class LlamaCppRunner:
@@ -26,7 +48,8 @@ class LlamaCppRunner:
     def __init__(self, pool: SlotPool, seq: int, vocab_size: int):
         self.pool, self.model, self.seq, self.vocab_size = pool, pool.model, seq, vocab_size
         self.max_length = pool.max_length
-        self._length = 0
+        self._tokens: list[int] = []  # the tokens whose entries its cache holds, in order
+        self.prompt_length = 0  # of them, its prompt's
         self.prompt_tokens_reused = 0  # tokens of its prompt taken from the prompt cache
         self.prompt_cache_s = 0.0  # seconds its prefill spent looking up, joining, cutting and storing blocks
         self._refusal: str | None = None  # why this runner may no longer run (its slot was taken over or closed)
@@ -53,7 +76,7 @@ class LlamaCppRunner:
 
     @property
     def length(self) -> int:
-        return self._length
+        return len(self._tokens)
 
     def check_room(self, needed: int) -> Context:
         """This runner's context, ready for a sequence of `needed` tokens."""
@@ -61,9 +84,9 @@ class LlamaCppRunner:
             raise RuntimeError(self._refusal)
         return self.pool.context_for(needed)
 
-    def advance(self, n: int) -> None:
-        """n more tokens of this sequence were evaluated (by the pool's fused pass)."""
-        self._length += n
+    def advance(self, tokens: list[int]) -> None:
+        """These tokens of this sequence were evaluated (by the pool's fused pass, or put into its cache)."""
+        self._tokens += tokens
 
     def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         if input_ids.shape[0] != 1:
@@ -72,63 +95,128 @@ class LlamaCppRunner:
         if not tokens:
             raise ValueError("forward needs at least one token")
         wanted = [not last_only or i == len(tokens) - 1 for i in range(len(tokens))]
-        if self._length == 0:
+        if not self._tokens:
             rows = self._prefill(tokens, wanted, cacheable=last_only)
         else:
-            context = self.check_room(self._length + len(tokens))
+            context = self.check_room(self.length + len(tokens))
             rows = []
             for start in range(0, len(tokens), BATCH):  # in passes of at most BATCH tokens
                 piece = tokens[start:start + BATCH]
-                rows += evaluate(self.model, context, [(self.seq, self._length + i, token, want) for i, (token, want)
+                rows += evaluate(self.model, context, [(self.seq, self.length + i, token, want) for i, (token, want)
                                                        in enumerate(zip(piece, wanted[start:start + BATCH]))])
-                self._length += len(piece)
+                self._tokens += piece
         logits = torch.from_numpy(np.stack(rows))[None]  # [1, rows, n_vocab]
         return logits[..., : self.vocab_size]
 
+    def _segments(self, tokens: list[int]) -> list[tuple[int, bool]]:
+        return prefill_segments(tokens, self.model.segment_marks, self.model.answer_start)
+
     def _prefill(self, tokens: list[int], wanted: list[bool], cacheable: bool) -> list[np.ndarray]:
-        """A new sequence's first tokens (a prompt), in passes along its segments (context.prefill_bounds), in the
-        model's prefill layout where it has one; the leading segments come from the prompt cache where it holds them,
-        and the prompt's other segments go into it. cacheable: only the last token's logits are wanted (a hit has no
+        """A new sequence's first tokens (a prompt), in the passes of plan_passes along its segments
+        (context.prefill_segments); the leading segments come from the prompt cache where it holds them, and the
+        prompt's other segments go into it. cacheable: only the last token's logits are wanted (a hit has no
         logits for the tokens it reuses)."""
         context = self.check_room(len(tokens))
         model, n_seq = self.model, context.n_seq
-        elsewhere = model.prefill_model if len(tokens) >= PREFILL_MIN_TOKENS else None
         cache = self.pool.prompt_cache if cacheable else None
         if cache is not None and not cache.enabled:
             cache = None
-        # Segments computed in one layout, in contexts of one shape, are given to prefills that would compute them so
-        owner = (elsewhere or model, n_seq)
-        ends = prefill_bounds(tokens, model.segment_marks)
+        segments = self._segments(tokens)
+        ends = [end for end, _ in segments]
         reused, tick = [], time.perf_counter()
         if cache is not None:  # (segments are cached only once kv_format is known)
-            reused = cache.match(owner, tokens, ends, most=len(ends) - 1)
+            reused = cache.match(self._owner(n_seq), tokens, ends, most=len(ends) - 1)
         start = ends[len(reused) - 1] if reused else 0
-        cached = kv_blocks.join(model.kv_format, reused, n_seq) if reused else None
-        self.prompt_cache_s = time.perf_counter() - tick
-        state = None
-        if elsewhere is not None:
-            rows, state = elsewhere.prefill(tokens, wanted, n_seq, self.seq, cached, start)
-            context.load_state(state, self.seq)
-        else:
-            try:
-                if cached is not None:
-                    context.load_state(cached, self.seq)
-                rows = evaluate_prompt(model, context, self.seq, tokens, wanted, start)
-            except BaseException:  # an interrupt too: the sequence must not keep half a prompt
-                context.remove(self.seq, 0)
-                raise
-        self._length, self.prompt_tokens_reused = len(tokens), start
+        passes = plan_passes(tokens, segments, start, self.verify_width, model.prefill_model is not None)
+        try:
+            if reused:
+                context.load_state(kv_blocks.join(model.kv_format, reused, n_seq), self.seq)
+            self.prompt_cache_s = time.perf_counter() - tick
+            rows = self._run(context, tokens, wanted, passes)
+        except BaseException:  # an interrupt too: the sequence must not keep half a prompt
+            context.remove(self.seq, 0)
+            raise
+        self._tokens, self.prompt_tokens_reused, self.prompt_length = list(tokens), start, len(tokens)
         if cache is not None:  # every new segment, the last too: a longer prompt cut there, or the same again, reuses it
-            tick = time.perf_counter()
-            spans = list(zip([start, *ends[len(reused):-1]], ends[len(reused):]))
-            cut = kv_blocks.split(state or context.save_state(self.seq), spans)
-            if cut is not None:
-                model.kv_format, segments = cut
-                cache.insert(owner, tokens, ends, len(reused), segments)
-            self.prompt_cache_s += time.perf_counter() - tick
+            self._store(cache, context, tokens, ends, len(reused))
         return rows
 
+    def _owner(self, n_seq: int) -> tuple:
+        """The prompt cache's owner of this runner's segments: its model, in contexts of this shape, cut and passed as
+        its prompts are (which segments are answers)."""
+        return self.model, n_seq, self.model.answer_start
+
+    def _run(self, context: Context, tokens: list[int], wanted: list[bool], passes: list[tuple[int, int, bool]]
+             ) -> list[np.ndarray]:
+        """Evaluate the passes -> the wanted rows. A pass in the prefill model runs over a copy of the sequence's cache
+        in its context, copied back when a pass here follows (and at the end)."""
+        rows, there, elsewhere = [], None, self.model.prefill_model
+        for begin, end, away in passes:
+            if away and there is None:
+                there = elsewhere.prefill_context(context.n_seq, len(tokens))
+                if begin:
+                    there.load_state(context.save_state(self.seq), self.seq)
+            elif not away and there is not None:
+                self._bring_back(context, there)
+                there = None
+            rows += evaluate(elsewhere if away else self.model, there if away else context,
+                             [(self.seq, i, tokens[i], wanted[i]) for i in range(begin, end)])
+        if there is not None:
+            self._bring_back(context, there)
+        return rows
+
+    def _bring_back(self, context: Context, there: Context) -> None:
+        context.remove(self.seq, 0)
+        context.load_state(there.save_state(self.seq), self.seq)
+        self.model.prefill_model.release_prefill_context()
+
+    def _store(self, cache, context: Context, tokens: list[int], ends: list[int], first: int) -> None:
+        """Put segments first... of `tokens`, which this runner's cache now holds, into the prompt cache."""
+        tick = time.perf_counter()
+        spans = list(zip([ends[first - 1] if first else 0, *ends[first:-1]], ends[first:]))
+        cut = kv_blocks.split(context.save_state(self.seq), spans)
+        if cut is not None:
+            self.model.kv_format, segments = cut
+            cache.insert(self._owner(context.n_seq), tokens, ends, first, segments)
+        self.prompt_cache_s += time.perf_counter() - tick
+
+    def keep_answer(self, answer: list[int]) -> int:
+        """A chat answer this runner generated after its prompt, as the next turn of the conversation will send it
+        back (its tokens, an end of generation left out), into the prompt cache, as if a prefill had computed it: its
+        entries came from one-token passes and passes of the exact verify width, which is how a prompt's answer
+        segments are prefilled (plan_passes). The template's end of the message (the model's answer_end) is
+        evaluated first. -> tokens cached (0 where there is no cache, no answer to cut, or the cache is gone).
+        Call it before close()."""
+        model, cache = self.model, self.pool.prompt_cache
+        if (self._refusal is not None or cache is None or not cache.enabled or model.answer_end is None
+                or model.kv_format is None):
+            return 0
+        prompt = self._tokens[:self.prompt_length]
+        tokens = [*prompt, *answer, *model.answer_end]
+        if len(tokens) > self.max_length:  # the next turn would not fit either
+            return 0
+        segments = self._segments(tokens)
+        ends = [end for end, _ in segments]
+        first = next((i for i, (end, _) in enumerate(segments) if end > len(prompt) - 1), None)
+        # The answer's segments start where the prompt's last (its answer_start) did
+        if first is None or not all(answer for _, answer in segments[first:]):
+            return 0
+        held = 0
+        while held < min(len(tokens), self.length) and self._tokens[held] == tokens[held]:
+            held += 1
+        if held < (ends[first - 1] if first else 0):
+            return 0
+        context = self.check_room(len(tokens))
+        self.rollback(held)
+        for begin, end, _ in plan_passes(tokens, segments, 0, self.verify_width, False):
+            if end > held:
+                begin = max(begin, held)
+                evaluate(model, context, [(self.seq, i, tokens[i], False) for i in range(begin, end)])
+                self._tokens += tokens[begin:end]
+        self._store(cache, context, tokens, ends, first)
+        return len(tokens) - len(prompt)
+
     def rollback(self, length: int) -> None:
-        if length < self._length:
+        if length < self.length:
             self.check_room(length).remove(self.seq, length)
-            self._length = length
+            del self._tokens[length:]
