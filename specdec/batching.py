@@ -170,7 +170,9 @@ class Generation:
         return self.decoding.stats
 
     def close(self) -> None:
-        """The request is over: its sequences (target, draft model) go back to their pools."""
+        """The request is over: a prefill under way stops, its sequences (target, draft model) go back to their
+        pools."""
+        self.decoding.close()
         self.decoding.target.close()
         self.decoding.drafter.close()
 
@@ -220,9 +222,9 @@ class Batch:
         return self.room() > 0
 
     def add(self, request: Request) -> Generation:
-        """Start a request: a sequence of the target's pool, a drafter of its own, the prefill -> its Generation (its
-        `last` chunk already set when there is nothing to generate). A request that does not fit raises
-        ContextLengthExceeded (a ValueError)."""
+        """Start a request: a sequence of the target's pool and a drafter of its own -> its Generation (its `last`
+        chunk already set when there is nothing to generate). Its prompt is prefilled by the next steps, a pass
+        each. A request that does not fit raises ContextLengthExceeded (a ValueError)."""
         gen = self.generator
         request.check_fits(self.max_length)
         # A seeded sample depends on how much is drafted each cycle, so it must not read what other requests left in
@@ -236,7 +238,7 @@ class Batch:
             decoding = Decoding(runner, drafter, torch.tensor([request.prompt_ids]), k=k,
                                 max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                                 generator=make_generator(request.seed), eos_ids=gen.eos_ids, stats=stats,
-                                pinned_k=request.seeded_sample)
+                                pinned_k=request.seeded_sample, prefill_now=False)
         except BaseException:
             if runner is not None:
                 runner.close()
@@ -250,29 +252,41 @@ class Batch:
             self.active.append(sequence)
         return sequence
 
+    @property
+    def prefilling(self) -> int:
+        """Requests whose prompt is still being prefilled."""
+        return sum(sequence.decoding.prefilling for sequence in self.active)
+
     def step(self) -> list[tuple[Generation, Chunk | Exception]]:
-        """One cycle of every active request -> each one's chunk, or the exception that ended it (finished and
-        failed requests leave the batch)."""
-        if not self.active:
-            return []
-        width = self.width or (K_MAX + 1) * len(self.active)
-        outcomes = batch_cycle([sequence.decoding for sequence in self.active], width, self.pass_cost)
-        results, still = [], []
-        for sequence, outcome in zip(self.active, outcomes):
-            if not isinstance(outcome, Exception):
-                try:
-                    outcome = self._chunk(sequence, outcome)
-                except Exception as error:  # detokenizing failed
-                    outcome = error
-            results.append((sequence, outcome))
+        """One cycle: a prefill pass of the earliest request still reading its prompt (chunked prefill: the others
+        wait at most one pass for it), then a cycle of every request past its prefill -> each of those one's chunk,
+        or the exception that ended it (a failed prefill's too; finished and failed requests leave the batch)."""
+        results: list[tuple[Generation, Chunk | Exception]] = []
+        reading = next((sequence for sequence in self.active if sequence.decoding.prefilling), None)
+        if reading is not None:
+            try:
+                reading.decoding.prefill_step()
+            except Exception as error:  # this request's prefill failed: it alone ends
+                results.append((reading, error))
+        failed = {sequence for sequence, _ in results}
+        ready = [s for s in self.active if not s.decoding.prefilling and s not in failed]
+        if ready:
+            width = self.width or (K_MAX + 1) * len(ready)
+            outcomes = batch_cycle([sequence.decoding for sequence in ready], width, self.pass_cost)
+            for sequence, outcome in zip(ready, outcomes):
+                if not isinstance(outcome, Exception):
+                    try:
+                        outcome = self._chunk(sequence, outcome)
+                    except Exception as error:  # detokenizing failed
+                        outcome = error
+                results.append((sequence, outcome))
+        for sequence, outcome in results:
             if isinstance(outcome, Exception) or outcome.finish_reason:
                 if not isinstance(outcome, Exception):
                     self._keep_answer(sequence)
                 sequence.close()
                 sequence.last = outcome if not isinstance(outcome, Exception) else None
-            else:
-                still.append(sequence)
-        self.active = still
+                self.active.remove(sequence)
         return results
 
     def _keep_answer(self, sequence: Generation) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from specdec.drafters.base import Drafter, Proposal
 from specdec.metrics import SpecStats
-from specdec.runtimes.base import Runner
+from specdec.runtimes.base import Runner, prefill
 from specdec.sampling import SamplingConfig, logits_to_probs
 from specdec.verify import greedy_verify, rejection_sample
 
@@ -64,9 +64,11 @@ class Decoding:
 
     def __init__(self, target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
                  max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator,
-                 eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None, pinned_k: bool = False):
-        """Prefills the prompt [1, n] at once (its last row gives p for the first new token); with no token to
-        generate, nothing is evaluated. pinned_k: in a batch, draft as this decoding would alone (see
+                 eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None, pinned_k: bool = False,
+                 prefill_now: bool = True):
+        """Prefills the prompt [1, n] (its last row gives p for the first new token): at once, or with prefill_now
+        False pass by pass through prefill_step() (a batch runs other sequences' cycles between the passes); with no
+        token to generate, nothing is evaluated. pinned_k: in a batch, draft as this decoding would alone (see
         batching.batch_cycle)."""
         self.pinned_k = pinned_k
         self.target, self.drafter, self.k = target, drafter, k
@@ -77,24 +79,54 @@ class Decoding:
         self.emitted = 0
         self.done = max_new_tokens <= 0
         self.pending = None  # [1, 1, vocab]: the prefill's p for the first new token, until the first cycle uses it
+        self._prefill = None  # the prefill's passes while some are left (runtimes.base.prefill)
         if not self.done:
             drafter.begin(prompt_ids)
-            self.pending = target.forward(prompt_ids, last_only=True)
+            self._prefill = prefill(target, prompt_ids)
             self.stats.target_calls += 1
-            self.stats.cached_prompt_tokens = target.prompt_tokens_reused
-            self.stats.prompt_cache_s = target.prompt_cache_s
-        self.stats.prefill_s = time.perf_counter() - self.started
         self._proposal: Proposal | None = None
         self._budget = 0  # tokens this cycle may still emit (token budget and room in the context)
         self._drafted_s = 0.0
         self._cached = target.length  # what the target's cache held before this cycle's pass
         self.n_drafted = 0  # draft tokens of this cycle's proposal that the drafter made (not padding)
         self.max_draft = 0  # the most draft tokens this cycle may verify (its token budget, the exact verify width)
+        if prefill_now:
+            while self.prefilling:
+                self.prefill_step()
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether passes of the prompt's prefill are left (no cycle may run before they are done)."""
+        return self._prefill is not None
+
+    def prefill_step(self) -> None:
+        """The prompt's next prefill pass (stats.prefill_s counts the time of these passes alone)."""
+        tick = time.perf_counter()
+        try:
+            next(self._prefill)
+        except StopIteration as end:
+            self._prefill, self.pending = None, end.value
+            self._cached = self.target.length
+            self.stats.cached_prompt_tokens = self.target.prompt_tokens_reused
+            self.stats.prompt_cache_s = self.target.prompt_cache_s
+        except BaseException:
+            self._prefill = None
+            raise
+        finally:
+            self.stats.prefill_s += time.perf_counter() - tick
+
+    def close(self) -> None:
+        """Stop a prefill still under way: its sequence keeps nothing of the prompt (the runner stays open)."""
+        if self._prefill is not None:
+            self._prefill.close()
+            self._prefill = None
 
     def propose(self, max_width: int | None = None) -> torch.Tensor | None:
         """Draft this cycle -> the tokens the target must evaluate for it ([1, n]: the newest committed token, then
         the draft), or None when the cycle needs no target pass (no room left, or the prefill's logits suffice).
         max_width caps the pass further (a batch shares its width among its sequences)."""
+        if self.prefilling:
+            raise RuntimeError("the prompt's prefill is not done: call prefill_step() until prefilling is False")
         tick = time.perf_counter()
         self._cached = self.target.length
         room = self.target.max_length - self.context.shape[1]  # positions left in the target's context

@@ -216,12 +216,12 @@ class SpeculativeGenerator:
                 yield sequence, sequence.last
                 return
             while True:
-                ((_, chunk),) = batch.step()
-                if isinstance(chunk, Exception):
-                    raise chunk
-                yield sequence, chunk
-                if chunk.finish_reason:
-                    return
+                for _, chunk in batch.step():  # (nothing while the prompt is read, a pass a step)
+                    if isinstance(chunk, Exception):
+                        raise chunk
+                    yield sequence, chunk
+                    if chunk.finish_reason:
+                        return
         finally:
             batch.close()
 

@@ -384,21 +384,46 @@ def test_bench_conversation_runs_every_turn_on_every_server_and_reports_its_rati
 
     fakes = [Server(name, fake_argv(fake, name), token_ids=name != conversation.LLAMA)
              for name in (conversation.CACHED, conversation.COLD, conversation.LLAMA)]
-    talks = [{"source": f"article {i}", "article": f"Article {i} says many things about caches."} for i in range(2)]
+    chats = [{"workload": "chat", "source": f"article {i}", "system": "Be careful.",
+              "turns": [f"Article {i} says many things about caches.", *conversation.QUESTIONS[1:]]} for i in range(2)]
+    agent = conversation.agent_tasks(1)
+    talks = chats + agent
     results = {"command": "specdec bench-conversation", "machine": machine_info(), "settings": {"max_tokens": 8},
                "conversations": [t["source"] for t in talks], "servers": {}, "records": []}
     conversation.run(fakes, talks, {"prompt": "warm up"}, 8, tmp_path, results, startup_timeout=30)
-    turns = len(conversation.QUESTIONS)
-    assert len(results["records"]) == 2 * 3 * turns
+    turns, steps = len(conversation.QUESTIONS), len(agent[0]["turns"])
+    assert len(results["records"]) == 3 * (2 * turns + steps)
     first = [r for r in results["records"] if r["server"] == conversation.CACHED and r["round"] == 0]
     assert [r["turn"] for r in first] == list(range(1, turns + 1))
-    # each turn's question is the last message: the fake answers with its first words
+    # each turn's message is the last one: the fake answers with its first words
     assert first[1]["text"].split()[1:3] == conversation.QUESTIONS[1].split()[:2]
+    loop = [r for r in results["records"] if r["server"] == conversation.LLAMA and r["workload"] == "agent"]
+    assert [r["text"].split()[1:3] for r in loop[:3]] == [["Task:", "add"], ["$", "python"], ["$", "grep"]]
     summary = conversation.summarise(results)
-    assert summary["identical_to_no_cache"] == [2 * turns, 2 * turns]
-    assert summary["turn5_first_token_vs_no_cache"] > 0 and summary["conversation_vs_llama_server"] > 0
+    assert set(summary) == {"chat", "agent"} and summary["agent"]["turns"] == steps
+    assert summary["chat"]["identical_to_no_cache"] == [2 * turns, 2 * turns]
+    assert summary["chat"]["last_turn_first_token_vs_no_cache"] > 0
+    assert summary["agent"]["conversation_vs_llama_server"] > 0
     text = conversation.report(results)
     assert "Turn 5, time to first token" in text and f"**{2 * turns}/{2 * turns}**" in text
+    assert f"Turn {steps}, time to first token" in text and "## Agent" in text
     assert json.loads((tmp_path / "results.json").read_text())["records"]
     first[2]["token_ids"] = [99]  # one answer that differs is counted
-    assert conversation.summarise(results)["identical_to_no_cache"] == [2 * turns - 1, 2 * turns]
+    assert conversation.summarise(results)["chat"]["identical_to_no_cache"] == [2 * turns - 1, 2 * turns]
+
+
+def test_the_agent_loop_pastes_real_tool_output_of_a_module_and_says_when_there_are_too_few(tmp_path):
+    from specdec.bench import conversation
+
+    (task,) = conversation.agent_tasks(1)
+    name = task["source"].split()[1].removesuffix(".py")
+    assert f"$ cat {name}.py\n" in task["turns"][0] and "def " in task["turns"][0]
+    assert f"$ python -m pydoc {name}" in task["turns"][1] and f"NAME\n    {name}" in task["turns"][1]
+    grep = task["turns"][2].split("\n")[1:-1]
+    assert grep and all(re.match(rf"\./\S+\.py:\d+:.*\b{name}\.", line) for line in grep)
+    (tmp_path / "fnmatch.py").write_text("def f():\n    pass\n" * 80)
+    (tmp_path / "uses.py").write_text("import fnmatch\nfnmatch.f()\n")
+    (only,) = conversation.agent_tasks(1, stdlib=tmp_path)
+    assert "./uses.py:2:fnmatch.f()" in only["turns"][2]
+    with pytest.raises(ValueError, match="holds 1 of the agent's modules"):
+        conversation.agent_tasks(2, stdlib=tmp_path)

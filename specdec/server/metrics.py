@@ -41,10 +41,12 @@ class Metrics:
         # running, and how full the batch's sequence slots are.
         Gauge("specdec_queue_depth", "Requests generating or waiting for the model",
               registry=registry).set_function(lambda: scheduler.pending)
-        Gauge("specdec_requests_waiting", "Requests waiting for room in the batch (their prefill not started)",
+        Gauge("specdec_requests_waiting", "Requests waiting for room in the batch",
               registry=registry).set_function(lambda: scheduler.pending - scheduler.occupancy)
-        Gauge("specdec_batch_occupancy", "Requests in the batch being decoded now (running)",
+        Gauge("specdec_batch_occupancy", "Requests in the batch now (running: reading their prompt or decoding)",
               registry=registry).set_function(lambda: scheduler.occupancy)
+        Gauge("specdec_requests_prefilling", "Requests in the batch still reading their prompt (a prefill pass per "
+              "cycle, between the others' cycles)", registry=registry).set_function(lambda: scheduler.batch.prefilling)
         Gauge("specdec_model_thread_faults", "Faults of the model's thread outside a batch step (each ended the "
               "requests in the batch; the thread went on)", registry=registry).set_function(lambda: scheduler.faults)
         Gauge("specdec_batch_slots", "Requests the batch decodes at once (--max-batch): each a KV cache slot",

@@ -1,6 +1,8 @@
 """Continuous batching for the server: one thread runs the model, each cycle a step of every active request
-(batching.Batch: their target passes fused); requests join between cycles while the batch has room and leave when
-they finish, fail, time out or their client leaves. A request's place in it is a Ticket (its chunks arrive on an
+(batching.Batch: their target passes fused) after one prefill pass of a request still reading its prompt (chunked
+prefill: a long prompt holds the others up one pass at a time, and can be cancelled or time out between passes);
+requests join between cycles while the batch has room and leave when they finish, fail, time out or their client
+leaves. A request's place in it is a Ticket (its chunks arrive on an
 asyncio queue); a route reads them through a Turn."""
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class Scheduler:
         self.request_timeout = request_timeout
         self._waiting: deque[Ticket] = deque()
         self._active: dict[Generation, Ticket] = {}
-        self._starting = 0  # requests taken from the queue whose prefill is running
+        self._starting = 0  # requests taken from the queue and not yet in the batch
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
         self._died: str | None = None  # what ended the model's thread, if it ended
@@ -169,11 +171,11 @@ class Scheduler:
             while not self._waiting and not self._active:
                 self._changed.wait()
             self._leave()
-            # One request joins per cycle: the requests already decoding go on while prompts are read, and a
-            # new request's first token comes with the cycle right after its prefill, not after every prefill.
+            # One request joins per cycle; its prompt is read a pass per cycle (Batch.step), the earliest first,
+            # so the requests already decoding go on while prompts are read.
             joining = [self._waiting.popleft()] if self._waiting and self.batch.has_room() else []
             self._starting = len(joining)
-        for ticket in joining:  # the prefill: outside the lock, so that requests keep arriving meanwhile
+        for ticket in joining:  # outside the lock, so that requests keep arriving meanwhile
             self._start(ticket)
             with self._changed:
                 self._starting -= 1

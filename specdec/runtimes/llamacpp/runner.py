@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 import torch
 
+from specdec.runtimes.base import run_through
 from specdec.runtimes.llamacpp import kv_blocks
 from specdec.runtimes.llamacpp.context import BATCH, Context, evaluate, prefill_segments
 from specdec.runtimes.llamacpp.kernels import MAX_WIDTH
@@ -96,7 +97,7 @@ class LlamaCppRunner:
             raise ValueError("forward needs at least one token")
         wanted = [not last_only or i == len(tokens) - 1 for i in range(len(tokens))]
         if not self._tokens:
-            rows = self._prefill(tokens, wanted, cacheable=last_only)
+            rows = run_through(self._prefill(tokens, wanted, cacheable=last_only))
         else:
             context = self.check_room(self.length + len(tokens))
             rows = []
@@ -108,14 +109,25 @@ class LlamaCppRunner:
         logits = torch.from_numpy(np.stack(rows))[None]  # [1, rows, n_vocab]
         return logits[..., : self.vocab_size]
 
+    def prefill(self, input_ids: torch.Tensor) -> Iterator[None]:
+        """A new sequence's prompt [1, n], pass by pass: the generator yields after each pass but the last and returns
+        the last token's logits [1, 1, vocab] (what forward(input_ids, last_only=True) gives). The passes are those
+        forward runs, so interleaving other sequences' passes between them changes nothing; closing the generator
+        before it ends leaves the sequence empty."""
+        tokens = input_ids[0].tolist()
+        if input_ids.shape[0] != 1 or not tokens or self._tokens:
+            raise ValueError("prefill takes a new sequence's prompt: one row of at least one token")
+        rows = yield from self._prefill(tokens, [i == len(tokens) - 1 for i in range(len(tokens))], cacheable=True)
+        return torch.from_numpy(np.stack(rows))[None][..., : self.vocab_size]
+
     def _segments(self, tokens: list[int]) -> list[tuple[int, bool]]:
         return prefill_segments(tokens, self.model.segment_marks, self.model.answer_start)
 
-    def _prefill(self, tokens: list[int], wanted: list[bool], cacheable: bool) -> list[np.ndarray]:
+    def _prefill(self, tokens: list[int], wanted: list[bool], cacheable: bool) -> Iterator[None]:
         """A new sequence's first tokens (a prompt), in the passes of plan_passes along its segments
-        (context.prefill_segments); the leading segments come from the prompt cache where it holds them, and the
-        prompt's other segments go into it. cacheable: only the last token's logits are wanted (a hit has no
-        logits for the tokens it reuses)."""
+        (context.prefill_segments), yielding between passes; the leading segments come from the prompt cache where
+        it holds them, and the prompt's other segments go into it. cacheable: only the last token's logits are
+        wanted (a hit has no logits for the tokens it reuses). -> (the generator's value) the wanted rows."""
         context = self.check_room(len(tokens))
         model, n_seq = self.model, context.n_seq
         cache = self.pool.prompt_cache if cacheable else None
@@ -132,13 +144,14 @@ class LlamaCppRunner:
             if reused:
                 context.load_state(kv_blocks.join(model.kv_format, reused, n_seq), self.seq)
             self.prompt_cache_s = time.perf_counter() - tick
-            rows = self._run(context, tokens, wanted, passes)
-        except BaseException:  # an interrupt too: the sequence must not keep half a prompt
-            context.remove(self.seq, 0)
+            rows = yield from self._run(tokens, wanted, passes)
+        except BaseException:  # an interrupt or a closed generator too: the sequence must not keep half a prompt
+            if self._refusal is None:
+                self.pool.context.remove(self.seq, 0)
             raise
         self._tokens, self.prompt_tokens_reused, self.prompt_length = list(tokens), start, len(tokens)
         if cache is not None:  # every new segment, the last too: a longer prompt cut there, or the same again, reuses it
-            self._store(cache, context, tokens, ends, len(reused))
+            self._store(cache, self.pool.context, tokens, ends, len(reused))
         return rows
 
     def _owner(self, n_seq: int) -> tuple:
@@ -146,23 +159,31 @@ class LlamaCppRunner:
         its prompts are (which segments are answers)."""
         return self.model, n_seq, self.model.answer_start
 
-    def _run(self, context: Context, tokens: list[int], wanted: list[bool], passes: list[tuple[int, int, bool]]
-             ) -> list[np.ndarray]:
-        """Evaluate the passes -> the wanted rows. A pass in the prefill model runs over a copy of the sequence's cache
-        in its context, copied back when a pass here follows (and at the end)."""
+    def _run(self, tokens: list[int], wanted: list[bool], passes: list[tuple[int, int, bool]]) -> Iterator[None]:
+        """Evaluate the passes, yielding between them -> (the generator's value) the wanted rows. A pass in the prefill
+        model runs over a copy of the sequence's cache in its context, copied back when a pass here follows (and at
+        the end). Other sequences' passes may run at the yields; the pool's context is looked up after each."""
         rows, there, elsewhere = [], None, self.model.prefill_model
-        for begin, end, away in passes:
-            if away and there is None:
-                there = elsewhere.prefill_context(context.n_seq, len(tokens))
-                if begin:
-                    there.load_state(context.save_state(self.seq), self.seq)
-            elif not away and there is not None:
-                self._bring_back(context, there)
+        try:
+            for index, (begin, end, away) in enumerate(passes):
+                if index:
+                    yield
+                context = self.check_room(len(tokens))
+                if away and there is None:
+                    there = elsewhere.prefill_context(context.n_seq, len(tokens))
+                    if begin:
+                        there.load_state(context.save_state(self.seq), self.seq)
+                elif not away and there is not None:
+                    self._bring_back(context, there)
+                    there = None
+                rows += evaluate(elsewhere if away else self.model, there if away else context,
+                                 [(self.seq, i, tokens[i], wanted[i]) for i in range(begin, end)])
+            if there is not None:
+                self._bring_back(self.check_room(len(tokens)), there)
                 there = None
-            rows += evaluate(elsewhere if away else self.model, there if away else context,
-                             [(self.seq, i, tokens[i], wanted[i]) for i in range(begin, end)])
-        if there is not None:
-            self._bring_back(context, there)
+        finally:
+            if there is not None:  # (interrupted: the prefill context is not left half full and large)
+                elsewhere.release_prefill_context()
         return rows
 
     def _bring_back(self, context: Context, there: Context) -> None:
