@@ -206,6 +206,7 @@ class Batch:
                 self.pool(model)
         self.max_length = self.pool(target).max_length  # tokens one request may hold
         self.active: list[Generation] = []
+        self._finished: list[Generation] = []  # finished in the last step: their answers are yet to be kept
 
     def pool(self, model) -> SequencePool:
         """This batch's pool of a model's sequences (how a request's drafter gets its draft model's sequence)."""
@@ -215,8 +216,9 @@ class Batch:
         return self.pools[id(model)]
 
     def room(self) -> int:
-        """Requests that add() can start now."""
-        return min(self.max_batch - len(self.active), self.pools[id(self.generator.target)].free)
+        """Requests that add() can start now (a finished request's slot is free once keep_answers() ran)."""
+        return min(self.max_batch - len(self.active) - len(self._finished),
+                   self.pools[id(self.generator.target)].free)
 
     def has_room(self) -> bool:
         return self.room() > 0
@@ -261,6 +263,7 @@ class Batch:
         """One cycle: a prefill pass of the earliest request still reading its prompt (chunked prefill: the others
         wait at most one pass for it), then a cycle of every request past its prefill -> each of those one's chunk,
         or the exception that ended it (a failed prefill's too; finished and failed requests leave the batch)."""
+        self.keep_answers()
         results: list[tuple[Generation, Chunk | Exception]] = []
         reading = next((sequence for sequence in self.active if sequence.decoding.prefilling), None)
         if reading is not None:
@@ -282,19 +285,26 @@ class Batch:
                 results.append((sequence, outcome))
         for sequence, outcome in results:
             if isinstance(outcome, Exception) or outcome.finish_reason:
-                if not isinstance(outcome, Exception):
-                    self._keep_answer(sequence)
-                sequence.close()
-                sequence.last = outcome if not isinstance(outcome, Exception) else None
                 self.active.remove(sequence)
+                if isinstance(outcome, Exception):
+                    sequence.close()
+                else:
+                    sequence.last = outcome
+                    self._finished.append(sequence)
         return results
 
-    def _keep_answer(self, sequence: Generation) -> None:
-        """Cache a finished request's answer for its conversation's next turn; a failure costs that reuse only."""
-        try:
-            self.generator.keep_answer(sequence)
-        except Exception as error:  # (the answer itself is complete and already out)
-            log.warning("could not cache an answer for the next turn: %s", error)
+    def keep_answers(self) -> None:
+        """Cache the answers of the requests that finished in the last step for their conversations' next turns (a
+        few passes each), then free their slots. The next step() and close() do it first; a caller that hands the
+        finished chunks out before calling it (the server) does not make their clients wait for it."""
+        while self._finished:
+            sequence = self._finished.pop(0)
+            try:
+                self.generator.keep_answer(sequence)
+            except Exception as error:  # (the answer itself is complete and already out): that reuse only is lost
+                log.warning("could not cache an answer for the next turn: %s", error)
+            finally:
+                sequence.close()
 
     @staticmethod
     def _chunk(sequence: Generation, step: Step) -> Chunk:
@@ -312,6 +322,8 @@ class Batch:
             sequence.close()
 
     def close(self) -> None:
+        """The batch is over: the answers that finished are kept, the requests still active end."""
+        self.keep_answers()
         for sequence in self.active:
             sequence.close()
         self.active = []
