@@ -13,7 +13,7 @@ from conftest import chat, conversation_prompts, conversation_requests, prefill_
 from specdec import SpeculativeGenerator, registry
 from specdec.prompt_cache import PromptCache
 from specdec.runtimes import llamacpp
-from specdec.runtimes.llamacpp.context import prefill_bounds
+from specdec.runtimes.llamacpp.context import prefill_bounds, prefill_segments
 
 B = 4  # segment length of most pure tests
 
@@ -164,6 +164,22 @@ def test_chat_prompts_reuse_the_messages_they_share_and_prefill_the_logits_of_a_
         warm, reused = prefill_through(model, tokens, cache)
         assert reused == starts[shared] < len(tokens) <= llamacpp.PREFILL_BLOCK
         assert torch.equal(warm, prefill_through(model, tokens, None)[0])
+
+
+def test_an_answer_ends_a_segment_where_the_next_turn_cuts_whatever_its_length():
+    """An answer is cached as generated, up to the template's end of message (keep_answer), and reused only if the
+    next turn's prompt has a boundary there: the next message's start must cut whatever the distance to the block
+    boundaries around it (a mark within PREFILL_MIN_SEGMENT of one is otherwise no boundary). Every answer length
+    from 1 to past two blocks, after prompts of several lengths."""
+    mark, start, end, user = 1, (1, 2), [3, 4], [1, 5, 6]
+    for before in (20, 100, 119, 127):
+        prompt = [7] * before + list(start)
+        for length in range(1, 2 * llamacpp.PREFILL_BLOCK + 20):
+            kept = prompt + [8] * length + end  # what keep_answer caches
+            turn = kept + user + [9] * 30 + list(start)  # the next turn's prompt
+            cut, cut_next = (prefill_segments(tokens, frozenset({mark}), start) for tokens in (kept, turn))
+            assert cut_next[:len(cut)] == cut, (before, length)
+            assert all(kind for e, kind in cut if e > len(prompt) - len(start))  # the answer's segments: answers
 
 
 QUESTIONS = ("How do I read a text file line by line and strip the newline from each line?",

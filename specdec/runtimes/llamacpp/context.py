@@ -30,7 +30,8 @@ BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several),
 # PREFILL_BLOCK, 2 * PREFILL_BLOCK, ..., and the start of each message of a chat (a segment mark: LlamaCppModel's
 # segment_marks, such as ChatML's <|im_start|>) that leaves at least PREFILL_MIN_SEGMENT tokens on either side before
 # the next block boundary and after the boundary before; an answer's start (the model's answer_start: the tokens a
-# chat template writes before the assistant's reply) always. Cached or not, a prompt's cache entries are then
+# chat template writes before the assistant's reply) and its end (the next message's start) always, so that an
+# answer cached as generated (its tokens and the template's end of message) ends where the next turn's prompt cuts. Cached or not, a prompt's cache entries are then
 # computed in the same passes, and the prompt cache (specdec.prompt_cache) keeps them per segment: a system message,
 # every message a conversation resent, a long document's blocks. Each pass streams the weights once more
 # (BENCHMARKS.md, "Prompt cache").
@@ -127,7 +128,8 @@ def prefill_segments(tokens: list[int], marks: frozenset[int], answer_start: tup
                      ) -> list[tuple[int, bool]]:
     """(end, whether it is part of an answer) of each segment of `tokens`, in order (the last ends at len(tokens)):
     see PREFILL_BLOCK. Each boundary depends on the tokens before it and the few at it, so prompts that start alike
-    are cut alike up to where they part; a segment is part of an answer when the last mark at or before its start
+    are cut alike up to where they part (and a prompt that ends with an answer's end of message is cut as every
+    longer one: the next message starts with a boundary); a segment is part of an answer when the last mark at or before its start
     begins answer_start."""
     answer_start = tuple(answer_start or ())
     segments, last, in_answer = [], 0, False
@@ -142,8 +144,8 @@ def prefill_segments(tokens: list[int], marks: frozenset[int], answer_start: tup
         token = tokens[i]
         mark = token in marks
         answer = mark and answers_at(i)
-        if i % PREFILL_BLOCK == 0 or answer or (mark and i - last >= PREFILL_MIN_SEGMENT
-                                                and -i % PREFILL_BLOCK >= PREFILL_MIN_SEGMENT):
+        if i % PREFILL_BLOCK == 0 or answer or (mark and in_answer) or (
+                mark and i - last >= PREFILL_MIN_SEGMENT and -i % PREFILL_BLOCK >= PREFILL_MIN_SEGMENT):
             segments.append((i, kind))
             last = i
             if mark:
