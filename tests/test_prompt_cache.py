@@ -182,6 +182,26 @@ def test_an_answer_ends_a_segment_where_the_next_turn_cuts_whatever_its_length()
             assert all(kind for e, kind in cut if e > len(prompt) - len(start))  # the answer's segments: answers
 
 
+def test_a_segment_runs_in_the_prefill_model_from_the_measured_size_and_here_in_pieces_below_it():
+    from specdec.runtimes.llamacpp.calibration import split_size
+    from specdec.runtimes.llamacpp.kernels import MAX_WIDTH
+    from specdec.runtimes.llamacpp.runner import PREFILL_MIN_TOKENS, plan_passes
+
+    segments = [(20, False), (60, False), (200, False), (203, True)]  # 20, 40 and 140 tokens, then an answer's 3
+    passes = plan_passes(list(range(203)), segments, 0, lambda position: 2, 45)
+    assert passes == [(0, 16, False), (16, 20, False), (20, 36, False), (36, 52, False), (52, 60, False),
+                      (60, 200, True), (200, 202, False), (202, 203, False)]
+    assert plan_passes(list(range(203)), segments, 0, lambda position: 2, None)[:3] == [
+        (0, 20, False), (20, 60, False), (60, 200, False)]  # no prefill model: a segment in one pass here
+    assert all(end - begin <= MAX_WIDTH for begin, end, away in plan_passes(
+        list(range(203)), segments, 0, lambda position: 2, 1000) if not away)
+    # (here, prefill model) seconds per size -> the size from which the prefill model is faster
+    assert split_size({32: {"here": 0.34, "prefill_model": 0.39}, 64: {"here": 0.68, "prefill_model": 0.61}}) == 46
+    assert split_size({32: {"here": 0.5, "prefill_model": 0.3}}) == PREFILL_MIN_TOKENS
+    assert split_size({32: {"here": 0.3, "prefill_model": 0.5}, 64: {"here": 0.6, "prefill_model": 0.7},
+                       128: {"here": 1.2, "prefill_model": 1.3}}) == llamacpp.PREFILL_BLOCK + 1  # never
+
+
 QUESTIONS = ("How do I read a text file line by line and strip the newline from each line?",
              "And how would I skip the lines that are empty or hold only spaces?",
              "Can you show the same thing with a list comprehension over the open file?")

@@ -186,6 +186,73 @@ def measure_pass_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats:
     return {"pass_s": {"1": step, **{str(width): step * statistics.median(r) for width, r in ratios.items()}}}
 
 
+PREFILL_SPLIT_SIZES = (32, 64, 128)  # prompt segments timed in each model: from above the kernel plan's widths to a block
+
+
+def measure_prefill_split(model: LlamaCppModel, sizes=PREFILL_SPLIT_SIZES, repeats: int = 3) -> dict:
+    """Seconds of a prompt segment of each size after 16 cached tokens, in one pass of the model's prefill model and
+    here in passes of MAX_WIDTH tokens under the kernel plan, interleaved, medians of `repeats`, the sizes in turn up to
+    the first at which the prefill model is faster -> {"seconds": {size: {"here", "prefill_model"}}, "min_tokens": the size from which the prefill model is faster (interpolated between
+    the sizes; beyond a block, PREFILL_BLOCK + 1: never)}. Moving the sequence's cache to the prefill model's context
+    and back is not counted, which favours the prefill model by that much."""
+    import statistics
+    import time
+
+    from specdec.runtimes.llamacpp.context import BATCH, Context, evaluate
+    from specdec.runtimes.llamacpp.kernels import MAX_WIDTH
+
+    prefix, there = CALIBRATION_CONTEXTS[0], model.prefill_model
+    tokens = probe_tokens(model, prefix + max(sizes))[0].tolist()
+    contexts = {"here": (model, Context(model, len(tokens))), "prefill_model": (there, Context(there, len(tokens)))}
+    widths = {"here": MAX_WIDTH, "prefill_model": BATCH}
+
+    def seconds(where: str, n: int) -> float:
+        evaluating, context = contexts[where]
+        context.remove(0, prefix)
+        started = time.perf_counter()
+        for begin in range(prefix, prefix + n, widths[where]):
+            end = min(prefix + n, begin + widths[where])
+            evaluate(evaluating, context, [(0, i, tokens[i], i == end - 1) for i in range(begin, end)])
+        return time.perf_counter() - started
+
+    try:
+        for where, (evaluating, context) in contexts.items():
+            evaluate(evaluating, context, [(0, i, tokens[i], i == prefix - 1) for i in range(prefix)])
+            seconds(where, MAX_WIDTH)  # a first pass warms the caches
+        medians = {}
+        for n in sizes:  # up to the first size at which the prefill model is faster
+            times = {where: [] for where in contexts}
+            for _ in range(repeats):
+                for where in contexts:
+                    times[where].append(seconds(where, n))
+            medians[n] = {where: statistics.median(t) for where, t in times.items()}
+            if medians[n]["prefill_model"] < medians[n]["here"]:
+                break
+    finally:
+        for _, context in contexts.values():
+            context.free()
+    return {"seconds": {str(n): by for n, by in medians.items()}, "min_tokens": split_size(medians)}
+
+
+def split_size(medians: dict[int, dict[str, float]]) -> int:
+    """From seconds per segment size ({size: {"here", "prefill_model"}}, sizes increasing) -> the size from which the
+    prefill model is faster: between the last size where it is slower and the first where it is faster, linearly; at
+    least PREFILL_MIN_TOKENS (one pass here up to the kernel plan's widths); PREFILL_BLOCK + 1 (never) if it never is."""
+    from specdec.runtimes.llamacpp.context import PREFILL_BLOCK
+    from specdec.runtimes.llamacpp.runner import PREFILL_MIN_TOKENS
+
+    previous = None  # (size, lead) of the last size where here was faster
+    for n in sorted(medians):
+        lead = medians[n]["here"] - medians[n]["prefill_model"]
+        if lead > 0:
+            if previous is None:
+                return PREFILL_MIN_TOKENS
+            size, behind = previous
+            return max(PREFILL_MIN_TOKENS, int(size + (n - size) * -behind / (lead - behind)) + 1)
+        previous = (n, lead)
+    return PREFILL_BLOCK + 1
+
+
 def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_CONTEXTS) -> dict:
     """At each context length (capped by the model's), evaluate the same tokens one at a time and in passes of each
     width in widths -> {"exact_width": {length: the largest w such that every pass of 2..w tokens gives the one-token logits

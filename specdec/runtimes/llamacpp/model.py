@@ -26,6 +26,8 @@ class LlamaCppModel:
     were faster on this CPU (layouts.choose_layouts: which wins differs between CPUs, and the repacked layouts crashed
     llama.cpp on one). prefill_repack: prompts in the other layout where that was measured faster for them ("auto"),
     a layout, or None (prompts in the model's own); the prompt's KV cache is then copied into the sequence's slot.
+    prefill_min_tokens: the shortest prompt segment that runs in the prefill layout ("auto": where that was measured
+    faster than passes of up to 16 tokens here, calibration.measure_prefill_split).
     attention_split: one-token passes over an f16 cache of 512+ cells split attention across threads, as llama.cpp
     does as released; verify passes then cannot reproduce them there (the calibration narrows verification to one
     token). Off by default: every pass sweeps each row in one pass (context.KV_CACHE_TYPES).
@@ -33,7 +35,7 @@ class LlamaCppModel:
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, kv_cache: str = DEFAULT_KV_CACHE,
                  repack: bool | str = "auto", prefill_repack: bool | str | None = "auto",
-                 attention_split: bool = False):
+                 attention_split: bool = False, prefill_min_tokens: int | str = "auto"):
         lib = library()
         self.path = Path(path)
         if not self.path.is_file():
@@ -45,6 +47,9 @@ class LlamaCppModel:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHE_TYPES)}, got {kv_cache!r}")
         self.kv_cache = kv_cache
         self.attention_split = attention_split
+        if prefill_min_tokens != "auto" and not (isinstance(prefill_min_tokens, int) and prefill_min_tokens >= 1):
+            raise ValueError(f"prefill_min_tokens must be 'auto' or a number of tokens >= 1, got {prefill_min_tokens!r}")
+        self._prefill_min_tokens = prefill_min_tokens
         if repack not in (True, False, "auto"):
             raise ValueError(f"repack must be True, False or 'auto', got {repack!r}")
         if prefill_repack not in (True, False, None, "auto"):
@@ -141,6 +146,16 @@ class LlamaCppModel:
         (calibration.measure_exact_widths). Only a target needs it: drafts never have to be exact."""
         found = self._calibrated("exactness", calibration.measure_exact_widths)
         return {int(length): width for length, width in found["exact_width"].items()}
+
+    @property
+    def prefill_min_tokens(self) -> int | None:
+        """The shortest prompt segment that runs in the prefill model (None: there is none): where one pass there
+        costs less than passes of up to MAX_WIDTH tokens here, measured (calibration.measure_prefill_split)."""
+        if self.prefill_model is None:
+            return None
+        if self._prefill_min_tokens != "auto":
+            return self._prefill_min_tokens
+        return self._calibrated("prefill-split", calibration.measure_prefill_split)["min_tokens"]
 
     @property
     def batch_calibration(self) -> dict:

@@ -17,28 +17,30 @@ from specdec.runtimes.llamacpp.kernels import MAX_WIDTH
 if TYPE_CHECKING:
     from specdec.runtimes.llamacpp.context import SlotPool
 
-# A prompt's segments of at least this many tokens run in the model's prefill layout where that differs
+# A prompt's segments of at least this many tokens may run in the model's prefill layout where that differs
 # (LlamaCppModel.prefill_model: llama.cpp's own kernels, faster for wide passes on some CPUs); shorter ones, and an
-# answer's, run here, in one pass of the kernel plan's widths (its multi-column kernels: faster for a few tokens).
+# answer's, run here, in passes of the kernel plan's widths (its multi-column kernels: faster for a few tokens). How
+# long a segment must be to run faster there is measured (LlamaCppModel.prefill_min_tokens), never less than this.
 PREFILL_MIN_TOKENS = MAX_WIDTH + 1
 
 
-def plan_passes(tokens: list[int], segments: list[tuple[int, bool]], start: int, width_at, elsewhere: bool
-                ) -> list[tuple[int, int, bool]]:
-    """The passes that prefill tokens[start:] -> (begin, end, whether it runs in the prefill model): one per segment,
-    an answer's in pieces of width_at(position) tokens at most (the exact verify width), a long one elsewhere where
-    there is an elsewhere. `start` is the end of a segment (or 0)."""
+def plan_passes(tokens: list[int], segments: list[tuple[int, bool]], start: int, width_at,
+                elsewhere_from: int | None) -> list[tuple[int, int, bool]]:
+    """The passes that prefill tokens[start:] -> (begin, end, whether it runs in the prefill model): an answer's
+    segments in pieces of width_at(position) tokens at most (the exact verify width); a segment of elsewhere_from
+    tokens or more in one pass in the prefill model (None: there is none); a shorter one here, in pieces of MAX_WIDTH
+    tokens at most where there is a prefill model (one pass otherwise). `start` is the end of a segment (or 0)."""
     passes, begin = [], 0
     for end, answer in segments:
         if end > start:
-            if answer:
+            if answer or (elsewhere_from is not None and end - begin < elsewhere_from):
                 position = begin
                 while position < end:
-                    step = min(end, position + max(1, width_at(position)))
+                    step = min(end, position + max(1, width_at(position) if answer else MAX_WIDTH))
                     passes.append((position, step, False))
                     position = step
             else:
-                passes.append((begin, end, elsewhere and end - begin >= PREFILL_MIN_TOKENS))
+                passes.append((begin, end, elsewhere_from is not None))
         begin = end
     return passes
 
@@ -139,7 +141,7 @@ class LlamaCppRunner:
         if cache is not None:  # (segments are cached only once kv_format is known)
             reused = cache.match(self._owner(n_seq), tokens, ends, most=len(ends) - 1)
         start = ends[len(reused) - 1] if reused else 0
-        passes = plan_passes(tokens, segments, start, self.verify_width, model.prefill_model is not None)
+        passes = plan_passes(tokens, segments, start, self.verify_width, model.prefill_min_tokens)
         try:
             if reused:
                 context.load_state(kv_blocks.join(model.kv_format, reused, n_seq), self.seq)
@@ -229,7 +231,7 @@ class LlamaCppRunner:
             return 0
         context = self.check_room(len(tokens))
         self.rollback(held)
-        for begin, end, _ in plan_passes(tokens, segments, 0, self.verify_width, False):
+        for begin, end, _ in plan_passes(tokens, segments, 0, self.verify_width, None):
             if end > held:
                 begin = max(begin, held)
                 evaluate(model, context, [(self.seq, i, tokens[i], False) for i in range(begin, end)])
