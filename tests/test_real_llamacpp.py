@@ -255,7 +255,7 @@ from specdec import registry
 from specdec.runtimes import llamacpp
 layout = {"True": True, "False": False, "None": None}
 model = llamacpp.LlamaCppModel(registry.gguf_file(sys.argv[1]), threads=2, repack=layout[sys.argv[2]],
-                               prefill_repack=layout[sys.argv[3]])
+                               prefill_repack=layout[sys.argv[3]], prefill_min_tokens=llamacpp.PREFILL_MIN_TOKENS)
 tokens = llamacpp.probe_tokens(model, 600 + 8)
 runner = llamacpp.private_runner(model, tokens.shape[1])
 found = []
@@ -271,11 +271,12 @@ torch.save(torch.stack(found), sys.argv[4])
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
-def test_one_token_passes_equal_llama_cpps_own_kernels_bit_for_bit(pair, role, tmp_path):
+def test_one_token_passes_equal_llama_cpps_own_kernels_bit_for_bit(pair, role, tmp_path, monkeypatch):
     """The patched kernels take one-token passes too (they prefetch the weights, which llama.cpp's do not): each
     pass must give the logits of llama.cpp's own kernels bit for bit, in the layout the model runs in, so that "exact"
     still means "as plain llama.cpp decodes". The reference runs in a fresh process with the patch switched off; the
-    contexts are longer than 16 tokens, so both processes prefill them with llama.cpp's own kernels."""
+    contexts are longer than 16 tokens and go to the prefill layout from 17 tokens in both processes, so both
+    prefill them with llama.cpp's own kernels."""
     import subprocess
     import sys
 
@@ -286,6 +287,7 @@ def test_one_token_passes_equal_llama_cpps_own_kernels_bit_for_bit(pair, role, t
     if not _cpu_has_avx2():
         pytest.skip("the patched kernels are x86 AVX2 code; other CPUs keep llama.cpp's own")
     model = getattr(pair[0], role)
+    monkeypatch.setattr(model, "_prefill_min_tokens", llamacpp.PREFILL_MIN_TOKENS)
     name = registry.DEFAULT_TARGET if role == "target" else registry.DEFAULT_DRAFT
     prefill_layout = None if model.prefill_model is None else model.prefill_model.repack  # prompts: the same layout
     saved = tmp_path / "own.pt"
