@@ -206,7 +206,7 @@ class Batch:
                 self.pool(model)
         self.max_length = self.pool(target).max_length  # tokens one request may hold
         self.active: list[Generation] = []
-        self._finished: list[Generation] = []  # finished in the last step: their answers are yet to be kept
+        self._finished: list[Generation] = []  # finished in this step: their answers are yet to be kept
 
     def pool(self, model) -> SequencePool:
         """This batch's pool of a model's sequences (how a request's drafter gets its draft model's sequence)."""
@@ -216,7 +216,7 @@ class Batch:
         return self.pools[id(model)]
 
     def room(self) -> int:
-        """Requests that add() can start now (a finished request's slot is free once keep_answers() ran)."""
+        """Requests that add() can start now."""
         return min(self.max_batch - len(self.active) - len(self._finished),
                    self.pools[id(self.generator.target)].free)
 
@@ -263,7 +263,6 @@ class Batch:
         """One cycle: a prefill pass of the earliest request still reading its prompt (chunked prefill: the others
         wait at most one pass for it), then a cycle of every request past its prefill -> each of those one's chunk,
         or the exception that ended it (a failed prefill's too; finished and failed requests leave the batch)."""
-        self.keep_answers()
         results: list[tuple[Generation, Chunk | Exception]] = []
         reading = next((sequence for sequence in self.active if sequence.decoding.prefilling), None)
         if reading is not None:
@@ -291,12 +290,14 @@ class Batch:
                 else:
                     sequence.last = outcome
                     self._finished.append(sequence)
+        # Before the last chunks go out: when a client has its answer, its slot is free again (a server made next on
+        # the same model finds the pool idle), at the cost of the few passes that keeping an answer takes
+        self.keep_answers()
         return results
 
     def keep_answers(self) -> None:
-        """Cache the answers of the requests that finished in the last step for their conversations' next turns (a
-        few passes each), then free their slots. The next step() and close() do it first; a caller that hands the
-        finished chunks out before calling it (the server) does not make their clients wait for it."""
+        """Cache the answers of the requests that finished for their conversations' next turns (a few passes each),
+        then free their slots (step() does it before it returns)."""
         while self._finished:
             sequence = self._finished.pop(0)
             try:

@@ -256,7 +256,6 @@ class SpeculativeGenerator:
         sequences, pending = [], list(requests)
         try:
             while pending or batch.active:
-                batch.keep_answers()  # (frees the slots of the requests that just finished)
                 while pending and batch.has_room():  # continuous batching: join as soon as a slot is free
                     sequences.append(batch.add(pending.pop(0)))
                 for _, outcome in batch.step():

@@ -193,7 +193,6 @@ class Scheduler:
             ticket.push(outcome)
             if isinstance(outcome, Exception) or outcome.finish_reason:
                 del self._active[generation]
-        self.batch.keep_answers()  # after the last chunks are out: their clients do not wait for it
 
     def _leave(self) -> None:
         """Before a cycle (under the lock): requests whose client left leave the batch, and requests past their
