@@ -206,7 +206,6 @@ class Batch:
                 self.pool(model)
         self.max_length = self.pool(target).max_length  # tokens one request may hold
         self.active: list[Generation] = []
-        self._finished: list[Generation] = []  # finished in this step: their answers are yet to be kept
 
     def pool(self, model) -> SequencePool:
         """This batch's pool of a model's sequences (how a request's drafter gets its draft model's sequence)."""
@@ -217,8 +216,7 @@ class Batch:
 
     def room(self) -> int:
         """Requests that add() can start now."""
-        return min(self.max_batch - len(self.active) - len(self._finished),
-                   self.pools[id(self.generator.target)].free)
+        return min(self.max_batch - len(self.active), self.pools[id(self.generator.target)].free)
 
     def has_room(self) -> bool:
         return self.room() > 0
@@ -285,27 +283,20 @@ class Batch:
         for sequence, outcome in results:
             if isinstance(outcome, Exception) or outcome.finish_reason:
                 self.active.remove(sequence)
-                if isinstance(outcome, Exception):
-                    sequence.close()
-                else:
+                if not isinstance(outcome, Exception):
                     sequence.last = outcome
-                    self._finished.append(sequence)
-        # Before the last chunks go out: when a client has its answer, its slot is free again (a server made next on
-        # the same model finds the pool idle), at the cost of the few passes that keeping an answer takes
-        self.keep_answers()
+                    # Before the last chunk goes out: when a client has its answer, its slot is free again (a
+                    # server made next on the same model finds the pool idle)
+                    self._keep_answer(sequence)
+                sequence.close()
         return results
 
-    def keep_answers(self) -> None:
-        """Cache the answers of the requests that finished for their conversations' next turns (a few passes each),
-        then free their slots (step() does it before it returns)."""
-        while self._finished:
-            sequence = self._finished.pop(0)
-            try:
-                self.generator.keep_answer(sequence)
-            except Exception as error:  # (the answer itself is complete and already out): that reuse only is lost
-                log.warning("could not cache an answer for the next turn: %s", error)
-            finally:
-                sequence.close()
+    def _keep_answer(self, sequence: Generation) -> None:
+        """Cache a finished request's answer for its conversation's next turn; a failure costs that reuse only."""
+        try:
+            self.generator.keep_answer(sequence)
+        except Exception as error:  # (the answer itself is complete)
+            log.warning("could not cache an answer for the next turn: %s", error)
 
     @staticmethod
     def _chunk(sequence: Generation, step: Step) -> Chunk:
@@ -323,8 +314,6 @@ class Batch:
             sequence.close()
 
     def close(self) -> None:
-        """The batch is over: the answers that finished are kept, the requests still active end."""
-        self.keep_answers()
         for sequence in self.active:
             sequence.close()
         self.active = []
