@@ -767,7 +767,8 @@ def test_two_threads_with_different_kernel_plans_each_pass_under_its_own(gguf_pa
     plans = [kernels.KernelPlan.uniform(kernel) for kernel in kernels.candidates()[:2]]
     if len(plans) < 2:
         pytest.skip("one candidate kernel on this build: no second plan to run beside the first")
-    models = [llamacpp.LlamaCppModel(gguf_path, threads=1) for _ in plans]
+    # (the prefill split is set, not measured: a calibration's passes run on a thread of their own, outside the two)
+    models = [llamacpp.LlamaCppModel(gguf_path, threads=1, prefill_min_tokens=64) for _ in plans]
     for loaded, plan in zip(models, plans):
         loaded._kernel_plan = plan
     lib, decode, wrong, mine = context.library(), context.library().llama_decode, [], threading.local()
