@@ -135,6 +135,7 @@ COMMANDS = {
     "load": bench.add_load_parser,
     "bench-servers": bench.add_bench_servers_parser,
     "bench-conversation": bench.add_bench_conversation_parser,
+    "bench-interleave": bench.add_bench_interleave_parser,
     "bench-replicas": bench.add_bench_replicas_parser,
     "kernels": bench.add_kernels_parser,
 }

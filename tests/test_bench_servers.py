@@ -425,5 +425,55 @@ def test_the_agent_loop_pastes_real_tool_output_of_a_module_and_says_when_there_
     (tmp_path / "uses.py").write_text("import fnmatch\nfnmatch.f()\n")
     (only,) = conversation.agent_tasks(1, stdlib=tmp_path)
     assert "./uses.py:2:fnmatch.f()" in only["turns"][2]
+    assert task["turns"][3].startswith((f"$ sed -n 1,{conversation.TEST_LINES}p test/test_{name}.py\n",
+                                        f"$ ls test/test_{name}.py\n"))  # (a standard library without its tests)
+    assert "ls: cannot access 'test/test_fnmatch.py'" in only["turns"][3] and len(only["turns"]) == 5
     with pytest.raises(ValueError, match="holds 1 of the agent's modules"):
         conversation.agent_tasks(2, stdlib=tmp_path)
+
+
+def test_gaps_are_the_longest_wait_between_pieces_that_overlaps_the_window():
+    from specdec.bench.interleave import gaps
+
+    arrivals = [0.0, 0.1, 0.2, 1.7, 1.8, 4.0]
+    assert gaps(arrivals) == pytest.approx(2.2)
+    assert gaps(arrivals, 0.15, 1.75) == pytest.approx(1.5)  # the 2.2 s wait began after the window closed
+    assert gaps(arrivals, 1.75, 5.0) == pytest.approx(2.2) and gaps(arrivals, 0.0, 0.05) == pytest.approx(0.1)
+    assert gaps([1.0]) is None
+
+
+def test_bench_interleave_sends_the_long_prompt_while_the_answer_streams_and_reports_the_gaps(fake, tmp_path):
+    from specdec.bench import interleave
+    from specdec.bench.runner import machine_info
+
+    fakes = [Server(interleave.SPECDEC, fake_argv(fake, "specdec"), token_ids=True),
+             Server(interleave.LLAMA, fake_argv(fake, "llama"), baseline=True)]
+    long_prompt = {"source": "article", "text": "A long article " * 50}
+    results = {"command": "specdec bench-interleave", "machine": machine_info(),
+               "settings": {"max_tokens": 16, "long_max_tokens": 4}, "servers": {}, "records": []}
+    interleave.run(fakes, [long_prompt], {"prompt": "warm up"}, 16, 4, tmp_path, results, startup_timeout=30)
+    records = {r["server"]: r for r in results["records"]}
+    assert set(records) == {interleave.SPECDEC, interleave.LLAMA}
+    ours = records[interleave.SPECDEC]
+    assert ours["streamed_tokens"] == 16 and ours["long_completion_tokens"] == 4
+    assert ours["streamed_identical_to_alone"] is True
+    assert records[interleave.LLAMA]["streamed_identical_to_alone"] is None  # (no token ids)
+    # the long prompt went out after STARTED_AFTER pieces of the streamed answer had come
+    assert sum(t <= 0 for t in ours["arrivals_from_long_sent_s"]) >= interleave.STARTED_AFTER
+    assert ours["longest_gap_s"] >= 0  # (the fake has answered all before the long prompt is read: no gap then)
+    summary = interleave.summarise(results)
+    assert summary["servers"][interleave.SPECDEC]["identical_to_alone"] == [1, 1]
+    text = interleave.report(results)
+    assert "| specdec | 1 |" in text and "1/1" in text
+    assert json.loads((tmp_path / "results.json").read_text())["records"]
+
+
+def test_bench_interleave_takes_articles_of_about_two_thousand_tokens():
+    from specdec.bench import interleave
+
+    prompts = interleave.long_prompts(2)
+    assert len(prompts) == 2 and prompts[0]["source"] != prompts[1]["source"]
+    assert all(interleave.ARTICLE_CHARS[0] < len(p["text"]) and p["text"].endswith("three sentences.")
+               for p in prompts)
+    with pytest.raises(ValueError, match="fewer than the 1000 rounds"):
+        interleave.long_prompts(1000)

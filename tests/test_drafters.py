@@ -205,6 +205,70 @@ def test_choosing_drafter_catches_the_draft_model_up_only_where_that_pays(target
     assert plain_steps["free"] <= 1 < plain_steps["a lot"] < plain_steps["a little"]
 
 
+class RecordingRunner(TorchRunner):
+    """A torch runner that records how many tokens each forward call took."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fed: list[int] = []
+
+    def forward(self, input_ids, last_only=False):
+        self.fed.append(input_ids.shape[1])
+        return super().forward(input_ids, last_only=last_only)
+
+
+class PassByPassRunner(RecordingRunner):
+    """Its prefill goes in passes of PIECE tokens, yielding between them, as llama.cpp's runner does along a prompt's
+    segments."""
+
+    PIECE = 8
+
+    def prefill(self, input_ids):
+        for start in range(0, input_ids.shape[1], self.PIECE):
+            if start:
+                yield
+            logits = self.forward(input_ids[:, start:start + self.PIECE], last_only=True)
+        return logits
+
+
+def test_choosing_drafter_reads_a_long_prompt_a_pass_per_cycle(target):
+    """Once the draft model is worth catching up, it takes the prompt in one prefill pass per cycle, the cycles going
+    on with plain steps meanwhile, so that a batch's other requests never wait for a whole prompt's reading; the
+    output is still the target's. Negative control: a runner that cannot prefill pass by pass reads it in one cycle."""
+    import random
+
+    from conftest import close_draft
+
+    prompt = random.Random(0).sample(range(3, 60), 50)  # no token twice: lookup finds nothing
+    free = Costs(FLAT.verify, FLAT.draft_step, draft_token=0.0)
+    draft = close_draft(target)
+    # (the first draft also feeds what the plain steps added while the model read)
+    for kind, most in ((PassByPassRunner, 2 * PassByPassRunner.PIECE), (RecordingRunner, len(prompt) - 1)):
+        runners = []
+
+        def make_runner(kind=kind):
+            runners.append(kind(draft, draft.config.vocab_size))
+            return runners[-1]
+
+        drafter = ChoosingDrafter(SuffixDrafter(), ModelDrafter(make_runner), free)
+        fed_per_cycle, propose = [], drafter.propose
+
+        def counting(*args, **kwargs):
+            before = sum(runners[-1].fed) if runners else 0
+            proposal = propose(*args, **kwargs)
+            fed_per_cycle.append(sum(runners[-1].fed) - before)
+            return proposal
+
+        drafter.propose = counting
+        got, stats = decode(target, drafter, prompt, 8, max_new_tokens=40)
+        assert got == reference_greedy(target, prompt, 40)
+        assert cycles_by(stats, "model") > 0, kind.__name__
+        assert (max(fed_per_cycle) <= most) == (kind is PassByPassRunner), (kind.__name__, fed_per_cycle)
+        if kind is PassByPassRunner:  # the prompt's passes in successive cycles, plain steps meanwhile
+            assert fed_per_cycle[:6] == [PassByPassRunner.PIECE] * 6
+            assert cycles_by(stats, "none") + cycles_by(stats, "suffix") >= 6
+
+
 def test_choosing_drafter_verifies_the_best_prefix_of_a_long_lookup_match(target):
     """Where each verified token costs a third of a step (llama.cpp with specdec's kernels), all 8 tokens of a long
     match are worth less than a plain step before any acceptance is seen, but its first tokens are worth more: the

