@@ -151,3 +151,34 @@ def test_batched_and_seeded_cross_vocabulary_requests_match_their_solo_runs(toke
         for i, prompt in enumerate(prompts):
             alone = gen.generate(prompt, max_new_tokens=16, temperature=temperature, seed=5 + i)
             assert batch[i].token_ids == alone.token_ids, (temperature, prompt)
+
+
+def test_the_choice_reads_a_long_prompt_in_the_drafts_own_tokens_a_pass_per_cycle(tokenizers, vocab):
+    """Under the per-cycle choice (llama.cpp's "auto"), a draft with another vocabulary reads the prompt pass by pass
+    in its own tokens (never the target's ids), and the output stays the target's."""
+    from conftest import reference_greedy
+    from specdec.adaptive import FixedK
+    from specdec.drafters import SuffixDrafter
+    from specdec.drafters.choice import ChoosingDrafter, Costs
+    from specdec.engine import speculative_decode
+    from specdec.runtimes.pytorch import TorchRunner
+    from test_drafters import PassByPassRunner
+
+    target_tokenizer, draft_tokenizer = tokenizers
+    target, draft = greedy_pair(tokenizers)
+    runners = []
+
+    def make_runner():
+        runners.append(PassByPassRunner(draft, draft.config.vocab_size))
+        return runners[-1]
+
+    free = Costs(lambda width: 1.0 + 0.02 * (width - 1), draft_step=0.2, draft_token=0.0)
+    drafter = ChoosingDrafter(SuffixDrafter(), CrossVocabDrafter(make_runner, vocab), free)
+    prompt = target_tokenizer(" ".join(PROMPTS), add_special_tokens=False).input_ids
+    steps = speculative_decode(TorchRunner(target, target.config.vocab_size), drafter, torch.tensor([prompt]),
+                               k=FixedK(4), max_new_tokens=24, sampling=SamplingConfig(), generator=make_generator(0))
+    got = [t for step in steps for t in step.tokens]
+    assert got == reference_greedy(target, prompt, 24)
+    read = draft_tokenizer(target_tokenizer.decode(prompt), add_special_tokens=False).input_ids
+    assert len(read) > 3 * PassByPassRunner.PIECE and runners[-1].fed[:3] == [PassByPassRunner.PIECE] * 3
+    assert runners[-1].seen[:3 * PassByPassRunner.PIECE] == read[:3 * PassByPassRunner.PIECE]  # its own tokens

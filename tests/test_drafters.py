@@ -206,14 +206,16 @@ def test_choosing_drafter_catches_the_draft_model_up_only_where_that_pays(target
 
 
 class RecordingRunner(TorchRunner):
-    """A torch runner that records how many tokens each forward call took."""
+    """A torch runner that records how many tokens each forward call took, and which."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.fed: list[int] = []
+        self.seen: list[int] = []
 
     def forward(self, input_ids, last_only=False):
         self.fed.append(input_ids.shape[1])
+        self.seen += input_ids[0].tolist()
         return super().forward(input_ids, last_only=last_only)
 
 
@@ -517,3 +519,26 @@ def test_speculative_sampling_matches_target_distribution(case, monkeypatch):
     counts = sample_sequences(lambda: drafter, k, n_new, sampling)
     assert drafter.used > DRAWS // 2  # the drafter did draft, in most generations at least
     assert chi_square_p_value(counts, expected) > ALPHA
+
+
+def test_forks_of_a_model_drafter_read_ahead_one_at_a_time(target):
+    """Two requests of a batch whose draft model must read a prompt: the second waits until the first has read
+    all of its own (llama.cpp's prefill passes share one context per model), then reads; closing a reader mid-way
+    hands the turn on."""
+    from conftest import close_draft
+
+    draft = close_draft(target)
+    parent = ModelDrafter(lambda: PassByPassRunner(draft, draft.config.vocab_size))
+    first, second, third = parent.fork(), parent.fork(), parent.fork()
+    context = torch.tensor([list(range(3, 3 + 3 * PassByPassRunner.PIECE + 1))])
+    for fork in (first, second, third):
+        fork.begin(context)
+    assert not first.read_ahead(context) and not second.read_ahead(context)
+    assert second.runner.fed == []  # waiting its turn
+    while not first.read_ahead(context):
+        assert second.runner.fed == []
+    assert first.tokens_behind(context) == 1
+    assert not second.read_ahead(context) and second.runner.fed == [PassByPassRunner.PIECE]
+    assert not third.read_ahead(context) and third.runner.fed == []
+    second.close()  # a client left mid-way: the next one reads
+    assert not third.read_ahead(context) and third.runner.fed == [PassByPassRunner.PIECE]

@@ -32,6 +32,9 @@ class ModelDrafter(Drafter):
         self.runner: Runner | None = None
         self.cached_ids = torch.zeros(1, 0, dtype=torch.long)  # the tokens whose keys/values the runner holds
         self._reading = None  # (read_ahead) the prefill under way: its generator and the tokens it reads
+        # Which of this drafter and its forks is reading ahead: one at a time, as a model's prefill passes may share
+        # one context for all its sequences (llama.cpp's prefill layout)
+        self._reader: list[ModelDrafter | None] = [None]
 
     def begin(self, prompt_ids: torch.Tensor) -> None:
         self.close()
@@ -49,7 +52,7 @@ class ModelDrafter(Drafter):
     def close(self) -> None:
         if self._reading is not None:  # (first: its cleanup empties the sequence)
             self._reading[0].close()
-            self._reading = None
+            self._stop_reading()
         if self.runner is not None:
             self.runner.close()
             self.runner = None
@@ -67,15 +70,26 @@ class ModelDrafter(Drafter):
         if self._reading is None:
             if self.cached_ids.shape[1] or context.shape[1] < 2:
                 return True
+            if self._reader[0] is not None:  # another request's reading goes first: this one waits its turn
+                return False
             prompt = context[:, :-1]
-            self._reading = (prefill(self.runner, prompt), prompt)
+            self._reading, self._reader[0] = (prefill(self.runner, prompt), prompt), self
         steps, prompt = self._reading
         try:
             next(steps)
             return False
         except StopIteration:
-            self._reading, self.cached_ids = None, prompt
+            self._stop_reading()
+            self.cached_ids = prompt
             return True
+        except BaseException:
+            self._stop_reading()
+            raise
+
+    def _stop_reading(self) -> None:
+        self._reading = None
+        if self._reader[0] is self:
+            self._reader[0] = None
 
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
         if k == 0:
@@ -91,8 +105,10 @@ class ModelDrafter(Drafter):
         left in self.outside_mass."""
         if self._reading is not None:  # a read_ahead under way: its passes first
             steps, prompt = self._reading
-            self._reading = None
-            run_through(steps)
+            try:
+                run_through(steps)
+            finally:
+                self._stop_reading()
             self.cached_ids = prompt
         # Roll back to what the cache shares with the context (the rejected tail goes), then feed the rest: at least
         # the last token, whose logits give the first draft token.
