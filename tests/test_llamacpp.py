@@ -583,6 +583,52 @@ def test_a_long_prompt_is_read_a_pass_per_step_beside_the_batch_and_can_leave_mi
     assert again.output.result().token_ids == baseline.generate(other, chat=True, max_new_tokens=12).token_ids
     batch.close()
 
+def test_the_draft_model_reads_a_long_prompt_a_pass_per_step_beside_the_batch(gguf_path, model, baseline,
+                                                                               monkeypatch):
+    """With k="auto", a draft model that must catch up on a long prompt reads it a pass per step (ModelDrafter.
+    read_ahead), so the request decoding beside it never waits for the whole prompt's reading in the draft model;
+    both answers are the target's. Negative control: caught up within one cycle, as before, it reads it all in one
+    step."""
+    import random
+
+    from specdec.batching import Batch
+    from specdec.drafters import ModelDrafter
+    from specdec.drafters.choice import Costs
+    from specdec.runtimes.llamacpp import runner as runner_module
+
+    target, tokenizer = model
+    gen = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer, prompt_cache=0)
+    gen.drafter.costs = Costs(lambda width: 1.0 + 0.02 * (width - 1), draft_step=0.05, draft_token=0.0)  # worth it
+    read, evaluate = [], runner_module.evaluate
+    monkeypatch.setattr(runner_module, "evaluate", lambda loaded, context, items: (
+        read.append(len(items)) if loaded is gen.draft or loaded is gen.draft.prefill_model else None)
+        or evaluate(loaded, context, items))
+
+    def most_read_in_a_step(seed: int) -> int:
+        # New texts each time (the suffix lookup keeps what it saw), where no text repeats: lookup has nothing to
+        # propose, the draft model is the choice
+        short, text = (tokenizer.decode(random.Random(seed).sample(range(500, 20000), n)) for n in (8, 420))
+        expected = (baseline.generate(short, max_new_tokens=40).token_ids,
+                    baseline.generate(text, max_new_tokens=24).token_ids)
+        batch = Batch(gen, max_batch=2)
+        first = batch.add(gen.request(short, max_new_tokens=40))
+        while not first.output.result().token_ids:
+            batch.step()
+        second = batch.add(gen.request(text, max_new_tokens=24))
+        most = 0
+        while batch.active:
+            read.clear()
+            batch.step()
+            most = max(most, sum(read))
+        assert (first.output.result().token_ids, second.output.result().token_ids) == expected
+        assert second.stats.by_drafter.get("model", [0])[0] > 0  # the draft model did draft
+        batch.close()
+        return most
+
+    assert most_read_in_a_step(0) <= 128 + 16  # a prompt segment, and a cycle's drafting
+    monkeypatch.setattr(ModelDrafter, "read_ahead", lambda self, context: True)
+    assert most_read_in_a_step(1) > 400
+
 # --- several sequences in one pass (generate_many) -------------------------------------------------------------------
 
 def test_the_batch_calibration_checks_the_shapes_a_server_makes(model):
