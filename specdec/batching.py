@@ -271,6 +271,8 @@ class Batch:
         failed = {sequence for sequence, _ in results}
         ready = [s for s in self.active if not s.decoding.prefilling and s not in failed]
         if ready:
+            for sequence in ready:  # (a drafter spreads long work over cycles only where others wait on its passes)
+                sequence.decoding.drafter.others_waiting = len(self.active) > 1
             width = self.width or (K_MAX + 1) * len(ready)
             outcomes = batch_cycle([sequence.decoding for sequence in ready], width, self.pass_cost)
             for sequence, outcome in zip(ready, outcomes):

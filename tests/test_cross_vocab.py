@@ -174,6 +174,7 @@ def test_the_choice_reads_a_long_prompt_in_the_drafts_own_tokens_a_pass_per_cycl
 
     free = Costs(lambda width: 1.0 + 0.02 * (width - 1), draft_step=0.2, draft_token=0.0)
     drafter = ChoosingDrafter(SuffixDrafter(), CrossVocabDrafter(make_runner, vocab), free)
+    drafter.others_waiting = True  # (as in a batch of several)
     prompt = target_tokenizer(" ".join(PROMPTS), add_special_tokens=False).input_ids
     steps = speculative_decode(TorchRunner(target, target.config.vocab_size), drafter, torch.tensor([prompt]),
                                k=FixedK(4), max_new_tokens=24, sampling=SamplingConfig(), generator=make_generator(0))

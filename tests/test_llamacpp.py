@@ -618,8 +618,9 @@ def test_the_draft_model_reads_a_long_prompt_a_pass_per_step_beside_the_batch(gg
         most = 0
         while batch.active:
             read.clear()
+            beside = len(batch.active) > 1  # (alone, a request's draft model reads all at once: nobody waits)
             batch.step()
-            most = max(most, sum(read))
+            most = max(most, sum(read) if beside else 0)
         assert (first.output.result().token_ids, second.output.result().token_ids) == expected
         assert second.stats.by_drafter.get("model", [0])[0] > 0  # the draft model did draft
         batch.close()

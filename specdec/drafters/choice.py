@@ -12,7 +12,8 @@ cost is paid out of the regret, the target time lost so far to cycles where a ca
 and what the regret does not cover counts against the model: a model that would gain a little is never caught up on
 a long prompt, one that gains a lot soon is (the ski-rental rule: rent until the rent paid would have bought skis).
 Once chosen, the model reads the prompt a pass of its prefill per cycle (ModelDrafter.read_ahead) while the cycles
-go on with the other options, so that requests decoding in the same batch never wait for a whole prompt's reading.
+go on with the other options, where other requests of a batch wait on this one's passes (others_waiting): they never
+wait for a whole prompt's reading. Alone, it reads it at once and drafts in the same cycle.
 """
 
 from __future__ import annotations
@@ -96,10 +97,10 @@ class ChoosingDrafter(Drafter):
             options["model"] = (tokens / (cycle + max(0.0, catch_up - self.regret)), k_model, tokens)
         choice = max(options, key=lambda name: options[name][0])  # ties: the first, plain decoding
         if choice == "model" and (self.reading or behind):
-            # Catching up takes a pass of the model per cycle, beside this cycle's other option, so that the requests
-            # decoding beside this one wait for one pass at a time, never for the whole prompt
+            # Catching up takes a pass of the model per cycle, beside this cycle's other option, where other requests
+            # decode beside this one: they wait for one pass at a time, never for the whole prompt
             self.regret, catch_up = max(0.0, self.regret - catch_up), 0.0
-            self.reading = not self.model_drafter.read_ahead(context)
+            self.reading = not self.model_drafter.read_ahead(context, whole=not self.others_waiting)
             if self.reading:
                 del options["model"]
                 choice = max(options, key=lambda name: options[name][0])

@@ -171,9 +171,9 @@ class CrossVocabDrafter(ModelDrafter):
         return context.shape[1] - self.text.n_target + len(self.text.ids) - common_prefix_length(
             self.cached_ids, torch.tensor([self.text.ids], dtype=torch.long))
 
-    def read_ahead(self, context: torch.Tensor) -> bool:
+    def read_ahead(self, context: torch.Tensor, whole: bool = False) -> bool:
         """ModelDrafter.read_ahead over the committed text in the draft's tokens."""
-        return super().read_ahead(self.text.update(context))
+        return super().read_ahead(self.text.update(context), whole)
 
     def propose(self, context, k, sampling: SamplingConfig, generator) -> Proposal:
         draft_context = self.text.update(context)

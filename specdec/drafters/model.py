@@ -61,12 +61,12 @@ class ModelDrafter(Drafter):
         """Tokens of context [1, n] that the draft model would have to take in before its first draft token."""
         return context.shape[1] - common_prefix_length(self.cached_ids, context)
 
-    def read_ahead(self, context: torch.Tensor) -> bool:
+    def read_ahead(self, context: torch.Tensor, whole: bool = False) -> bool:
         """One pass of reading context [1, n] while the draft model has read nothing of this request: its prompt cut
         before the last token (which a draft feeds), in the passes of its runner's prefill (the prompt cache's segments
         where it holds them, each other segment a pass), so that a long prompt is taken in a pass per cycle beside
-        other requests' decoding instead of all in one cycle. -> whether the model has caught up (then, or once it had
-        read anything, draft() feeds the rest)."""
+        other requests' decoding instead of all in one cycle; whole: every pass left. -> whether the model has caught
+        up (then, or once it had read anything, draft() feeds the rest)."""
         if self._reading is None:
             if self.cached_ids.shape[1] or context.shape[1] < 2:
                 return True
@@ -77,14 +77,17 @@ class ModelDrafter(Drafter):
         steps, prompt = self._reading
         try:
             next(steps)
-            return False
-        except StopIteration:
-            self._stop_reading()
-            self.cached_ids = prompt
-            return True
+            if not whole:
+                return False
+            run_through(steps)
+        except StopIteration:  # (that pass was the last)
+            pass
         except BaseException:
             self._stop_reading()
             raise
+        self._stop_reading()
+        self.cached_ids = prompt
+        return True
 
     def _stop_reading(self) -> None:
         self._reading = None
