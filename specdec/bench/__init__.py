@@ -23,5 +23,5 @@ from specdec.bench.load import add_load_parser
 from specdec.bench.replicas import add_bench_replicas_parser
 from specdec.bench.servers import add_bench_servers_parser
 
-__all__ = ["add_bench_conversation_parser", "add_bench_interleave_parser", "add_bench_parser", "add_bench_replicas_parser",
-           "add_bench_servers_parser", "add_kernels_parser", "add_load_parser"]
+__all__ = ["add_bench_conversation_parser", "add_bench_interleave_parser", "add_bench_parser",
+           "add_bench_replicas_parser", "add_bench_servers_parser", "add_kernels_parser", "add_load_parser"]

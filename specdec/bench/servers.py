@@ -299,6 +299,29 @@ def ask(client, model: str, prompt: str | list[dict], max_tokens: int, token_ids
             "server_stats": stats}
 
 
+def start_servers(stack, servers: list[Server], out: Path, startup_timeout: float,
+                  results: dict) -> dict[str, tuple[Server, ServerProcess, object, str]]:
+    """Start each server in turn, its log in out/logs, each stopped when `stack` (a contextlib.ExitStack) closes ->
+    name -> (server, its process, an OpenAI client of it, its model's id); results["servers"] gains each one's command
+    line, model, start-up time, fallback and kernel plan."""
+    import openai
+
+    running = {}
+    for server in servers:
+        print(f"starting {server.name} ...", file=sys.stderr, flush=True)
+        proc = stack.enter_context(ServerProcess(server, out / "logs" / f"{server.name}.log", startup_timeout))
+        model = ((proc.get_json("/v1/models") or {}).get("data") or [{}])[0].get("id", "default")
+        client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
+        running[server.name] = (server, proc, client, model)
+        results.setdefault("servers", {})[server.name] = {
+            "command": proc.argv, "baseline": server.baseline, "model": model, "startup_s": proc.startup_s,
+            "fallback": proc.fallback,
+            # a hook: the kernel plan of specdec's runtime, where the server publishes it
+            "kernel_plan": None if server.baseline else proc.get_json("/v1/specdec/plan")}
+        print(f"{server.name} ready in {proc.startup_s:.1f} s", file=sys.stderr, flush=True)
+    return running
+
+
 def run_servers(servers: list[Server], prompts: list[dict], warmup: dict, max_tokens: int, rounds: int,
                 out: Path, results: dict, startup_timeout: float = 1800.0, progress: bool = True,
                 concurrent: int = 1) -> dict:
@@ -309,29 +332,14 @@ def run_servers(servers: list[Server], prompts: list[dict], warmup: dict, max_to
     time of each such burst goes to results["bursts"]."""
     import contextlib
 
-    import openai
     from tqdm import tqdm
 
     from specdec.bench.runner import save
 
-    results.setdefault("servers", {})
     results.setdefault("records", [])
     path = out / "results.json"
     with contextlib.ExitStack() as stack:
-        running = {}
-        for server in servers:
-            print(f"starting {server.name} ...", file=sys.stderr, flush=True)
-            proc = stack.enter_context(ServerProcess(server, out / "logs" / f"{server.name}.log", startup_timeout))
-            models = proc.get_json("/v1/models") or {}
-            model = (models.get("data") or [{}])[0].get("id", "default")
-            client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
-            running[server.name] = (server, proc, client, model)
-            results["servers"][server.name] = {
-                "command": proc.argv, "baseline": server.baseline, "model": model, "startup_s": proc.startup_s,
-                "fallback": proc.fallback,
-                # a hook: the kernel plan of specdec's runtime, where the server publishes it
-                "kernel_plan": None if server.baseline else proc.get_json("/v1/specdec/plan")}
-            print(f"{server.name} ready in {proc.startup_s:.1f} s", file=sys.stderr, flush=True)
+        running = start_servers(stack, servers, out, startup_timeout, results)
         for server, proc, client, model in running.values():  # first passes over cold weights: not measured
             _request(proc, client, model, warmup, min(16, max_tokens), server.token_ids)
         if concurrent > 1:
@@ -589,6 +597,46 @@ def report(results: dict) -> str:
 
 
 # ---- the subcommand
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, out: str) -> None:
+    """The options of a benchmark of specdec serve against llama-server on the default pair (bench-conversation,
+    bench-interleave), --out's default folder `out`."""
+    parser.add_argument("--llama-server", default=None,
+                        help="the llama-server binary (default: where `make llama-server` builds it)")
+    parser.add_argument("--target", default=registry.DEFAULT_TARGET, help="(default: %(default)s)")
+    parser.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="specdec's draft (default: %(default)s)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of every server (default: every core this process may use)")
+    parser.add_argument("--startup-timeout", type=float, default=1800.0,
+                        help="seconds a server may take to become ready (default: %(default)s)")
+    parser.add_argument("--report", default=None,
+                        help="re-render report.md beside this results.json, measuring nothing")
+    parser.add_argument("--out", default=out, help="output folder (default: %(default)s)")
+
+
+def setup_of(args, concurrent: int = 1) -> Setup:
+    """The Setup that add_common_arguments' options ask for; a missing llama-server binary is refused with how to
+    build it."""
+    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    if threads < 1 or args.startup_timeout <= 0:
+        raise ValueError("--threads must be >= 1, --startup-timeout > 0")
+    binary = Path(args.llama_server) if args.llama_server else default_llama_server()
+    if not binary.is_file():
+        raise FileNotFoundError(f"no llama-server at {binary}: build it with `make llama-server`"
+                                + (" or pass --llama-server PATH" if not args.llama_server else ""))
+    return Setup(binary, args.target, args.draft, threads, concurrent)
+
+
+def results_header(schema: str, setup: Setup) -> dict:
+    """What every benchmark's results.json opens with: the schema, the start, the command, the machine, the versions
+    and the llama-server binary."""
+    from specdec.bench.runner import machine_info
+
+    return {"schema": schema, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
+            "versions": {"specdec": _version("specdec"), "llama-cpp-python": _llama_cpp_version()},
+            "llama_server": _describe_binary(setup.llama_server)}
 
 
 def default_llama_server() -> Path:
