@@ -612,14 +612,16 @@ def test_the_draft_model_reads_a_long_prompt_a_pass_per_step_beside_the_batch(gg
                     baseline.generate(text, max_new_tokens=24).token_ids)
         batch = Batch(gen, max_batch=2)
         first = batch.add(gen.request(short, max_new_tokens=40))
-        while not first.output.result().token_ids:
-            batch.step()
+        while not first.output.result().token_ids and first in batch.active:
+            failed = [outcome for _, outcome in batch.step() if isinstance(outcome, Exception)]
+            assert not failed, failed
         second = batch.add(gen.request(text, max_new_tokens=24))
         most = 0
         while batch.active:
             read.clear()
             beside = len(batch.active) > 1  # (alone, a request's draft model reads all at once: nobody waits)
-            batch.step()
+            failed = [outcome for _, outcome in batch.step() if isinstance(outcome, Exception)]
+            assert not failed, failed
             most = max(most, sum(read) if beside else 0)
         assert (first.output.result().token_ids, second.output.result().token_ids) == expected
         assert second.stats.by_drafter.get("model", [0])[0] > 0  # the draft model did draft
@@ -627,7 +629,7 @@ def test_the_draft_model_reads_a_long_prompt_a_pass_per_step_beside_the_batch(gg
         return most
 
     assert most_read_in_a_step(0) <= 128 + 16  # a prompt segment, and a cycle's drafting
-    monkeypatch.setattr(ModelDrafter, "read_ahead", lambda self, context: True)
+    monkeypatch.setattr(ModelDrafter, "read_ahead", lambda self, context, whole=False: True)
     assert most_read_in_a_step(1) > 400
 
 # --- several sequences in one pass (generate_many) -------------------------------------------------------------------
