@@ -277,6 +277,256 @@ def test_choosing_drafter_reads_a_long_prompt_a_pass_per_cycle_where_others_wait
             assert fed_per_cycle[0] > len(prompt), case
 
 
+def test_choosing_drafter_verifies_the_best_prefix_of_a_long_lookup_match(target):
+    """Where each verified token costs a third of a step (llama.cpp with specdec's kernels), all 8 tokens of a long
+    match are worth less than a plain step before any acceptance is seen, but its first tokens are worth more: the
+    choice verifies that prefix, and drafts more once lookup has proved right."""
+    moderate = Costs(verify=lambda width: 1.0 + 0.35 * (width - 1), draft_step=0.6)
+    drafter = chooser(target, moderate, close_noise=None)
+    decode(target, drafter, PROMPTS[1], 8)  # the answer is now in the suffix drafter's history
+    _, stats = decode(target, drafter, PROMPTS[1], 8)
+    assert cycles_by(stats, "suffix") > 0 and stats.accepted_tokens > 0
+    assert stats.drafted_by_position[0] > stats.drafted_by_position[-1] > 0  # short at first, longer later
+
+
+class MatchingLookup(Drafter):
+    """A lookup that proposes the given tokens and says how long a suffix it matched (as SuffixDrafter does)."""
+
+    name = "suffix"
+
+    def __init__(self):
+        self.tokens, self.last_match = [], 0
+
+    def propose(self, context, k, sampling, generator) -> Proposal:
+        return Proposal(torch.tensor([self.tokens[:k]], dtype=torch.long))
+
+
+def test_choosing_drafter_judges_a_lookup_by_the_length_of_its_match():
+    """Where a verified token costs a third of a step, a guess after a one-token match (accepted about a fifth of the
+    time, measured) is not worth verifying, one after a long match is; and what each band of match lengths earns
+    stays its own. The negative control, one estimate for every lookup, verifies the one-token match too."""
+    from specdec.drafters import choice
+
+    moderate = Costs(verify=lambda width: 1.0 + 0.35 * (width - 1), draft_step=0.6)
+    context, generator = torch.tensor([[5, 6, 7, 8]]), make_generator(0)
+
+    def chosen(drafter, matched: int) -> int:
+        drafter.lookup.tokens, drafter.lookup.last_match = [9, 10, 11, 12], matched
+        return drafter.propose(context, 4, GREEDY, generator).tokens.shape[1]
+
+    drafter = ChoosingDrafter(MatchingLookup(), None, moderate)
+    assert chosen(drafter, 1) == 0 and chosen(drafter, 3) > 0 and chosen(drafter, 12) >= chosen(drafter, 3)
+    for _ in range(6):  # long matches keep proving right ...
+        n = chosen(drafter, 12)
+        drafter.accept(n, n)
+    assert chosen(drafter, 12) == 4 and chosen(drafter, 1) == 0  # ... which earns a one-token match nothing
+    for _ in range(6):  # two- and three-token matches keep failing: their band learns it, the long band does not
+        drafter.accept(chosen(drafter, 2), 0)
+    assert chosen(drafter, 2) == 0 and chosen(drafter, 12) == 4
+
+    one_estimate = ChoosingDrafter(MatchingLookup(), None, moderate)
+    one_estimate._lookup_estimate = lambda: "lookup"  # every match length judged alike, as before the bands
+    assert chosen(one_estimate, 1) > 0
+    assert choice.MATCH_BANDS[1] < 0.35 < min(prior for band, prior in choice.MATCH_BANDS.items() if band > 1)
+
+
+def test_choosing_drafter_is_capped_by_the_engines_k(target):
+    drafter = chooser(target, FLAT)
+    _, stats = decode(target, drafter, PROMPTS[2], 2)
+    assert stats.drafted_tokens > 0 and len(stats.drafted_by_position) <= 2
+
+
+# --- self-speculation (early exit) -----------------------------------------------------------------------------------
+
+def truncated_copy(model, n_layers):
+    """The reference for an early exit: a copy of the model with only its first n_layers (test only: copies weights)."""
+    short = copy.deepcopy(model)
+    short.get_decoder().layers = short.get_decoder().layers[:n_layers]
+    short.config.num_hidden_layers = n_layers
+    return short
+
+
+@pytest.mark.parametrize("n_layers", [1, 2, 3])
+def test_early_exit_view_equals_a_truncated_model(target, n_layers):
+    """Fed in pieces with a rollback in between, the view's logits equal the truncated model's over the whole row."""
+    ids = torch.tensor([[4, 9, 1, 33, 2, 7, 7, 50]])
+    with torch.inference_mode():
+        expected = truncated_copy(target, n_layers)(ids).logits.float()  # [1, 8, vocab]
+    runner = EarlyExitRunner(target, n_layers, target.config.vocab_size)
+    first = runner.forward(ids[:, :5])
+    runner.forward(torch.tensor([[60, 61]]))  # a rejected draft...
+    runner.rollback(5)  # ...rolled back
+    rest = runner.forward(ids[:, 5:])
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), expected, rtol=0, atol=1e-5)
+    assert runner.length == 8
+    assert runner.forward(torch.tensor([[3]]), last_only=True).shape == (1, 1, target.config.vocab_size)
+
+
+def test_early_exit_with_every_layer_is_the_model(target):
+    ids = torch.tensor([[4, 9, 1, 33, 2]])
+    full = TorchRunner(target, target.config.vocab_size).forward(ids)
+    torch.testing.assert_close(EarlyExitRunner(target, 4, target.config.vocab_size).forward(ids), full)
+
+
+def test_early_exit_shares_and_never_mutates_the_target(target):
+    config_before = target.config.to_dict()
+    layers_before = list(target.get_decoder().layers)
+    drafter = early_exit_drafter(target, 2, target.config.vocab_size)
+    decode(target, drafter, PROMPTS[1], 4)
+    with pytest.raises(IndexError):  # an exception inside the view (a token past the embedding) changes nothing shared
+        drafter.runner.forward(torch.tensor([[10_000]]))
+    assert drafter.runner.decoder is target.get_decoder() and drafter.runner.model is target
+    assert target.config.to_dict() == config_before and list(target.get_decoder().layers) == layers_before
+
+
+@pytest.mark.parametrize("n_layers", [1, 2, 3])
+@pytest.mark.parametrize("k", [1, 4])
+def test_self_speculation_greedy_equals_plain_greedy(target, n_layers, k):
+    drafter, draft_model = DRAFTERS["self"](target_info(target), str(n_layers))
+    assert draft_model is None and drafter.name == f"self:{n_layers}"
+    for prompt in PROMPTS[1:3]:
+        got, stats = decode(target, drafter, prompt, k)
+        assert got == reference_greedy(target, prompt, NEW_TOKENS), (n_layers, k, prompt)
+        assert stats.draft_calls > 0
+
+
+@pytest.mark.parametrize("arg", ["0", "4", "9", "x"])
+def test_self_refuses_a_layer_count_outside_1_to_layers_minus_1(target, arg):
+    with pytest.raises(ValueError, match="self:N"):
+        DRAFTERS["self"](target_info(target), arg)
+
+
+@pytest.mark.parametrize("layers, default", [(2, 1), (4, 3), (8, 7), (16, 14), (28, 25)])
+def test_self_without_a_number_leaves_out_the_last_eighth_of_the_layers(layers, default):
+    model = tiny_model("qwen2", layers=layers)
+    drafter, _ = DRAFTERS["self"](target_info(model), None)
+    assert drafter.name == f"self:{default}"
+
+
+# --- hybrid ----------------------------------------------------------------------------------------------------------
+
+def test_hybrid_greedy_equals_plain_greedy_and_uses_both_branches(target):
+    lookup, fallback = Spy(NgramDrafter()), Spy(draft_with(tiny_model(target.config.model_type, seed=1, layers=4)))
+    for prompt in PROMPTS:
+        for k in [1, 4]:
+            got, _ = decode(target, HybridDrafter(lookup, fallback), prompt, k)
+            assert got == reference_greedy(target, prompt, NEW_TOKENS), (k, prompt)
+    assert lookup.used > 0 and fallback.used > 0
+
+
+def test_hybrid_keeps_the_draft_models_cache_in_step_across_lookup_cycles(target):
+    """With the target as its own draft model, every model proposal must be the target's greedy continuation of the
+    context, also right after cycles where prompt lookup drafted and the draft model's cache was left behind."""
+    fallback = draft_with(target)
+    hybrid = HybridDrafter(NgramDrafter(), fallback)
+    context = torch.tensor([PROMPTS[3]])
+    hybrid.begin(context)
+    branches = []
+    for i in range(12):
+        proposal = hybrid.propose(context, 3, GREEDY, make_generator(0))
+        branches.append("model" if hybrid.last is fallback else "lookup")
+        if hybrid.last is fallback:
+            assert proposal.tokens[0].tolist() == reference_greedy(target, context[0].tolist(), 3), i
+        hybrid.accept(proposal.tokens.shape[1], min(1, proposal.tokens.shape[1]))
+        # Commit the first draft token and a recovered one: an unseen id leaves lookup nothing to match (the draft
+        # model drafts next), a seen one gives it a match.
+        recovered = 40 + i if i % 2 else 8
+        context = torch.cat([context, proposal.tokens[:, :1], torch.tensor([[recovered]])], dim=1)
+    assert branches == ["lookup", "lookup"] + ["model", "lookup"] * 5
+
+
+def test_hybrid_by_name_loads_the_given_draft_model(target, tmp_path):
+    draft = tiny_model(target.config.model_type, seed=1, layers=2)
+    draft.save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)  # as loaded for the draft (a qwen2 config adds a token)
+    drafter, draft_model = build_drafter(f"hybrid:{tmp_path}", target_info(target, tokenizer))
+    assert isinstance(drafter, HybridDrafter) and isinstance(drafter.lookup, NgramDrafter)
+    assert draft_model.config.num_hidden_layers == 2 and draft_model.dtype == target.dtype
+    got, _ = decode(target, drafter, PROMPTS[3], 4)
+    assert got == reference_greedy(target, PROMPTS[3], NEW_TOKENS)
+
+
+# --- adaptive k ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make_drafter", [lambda t: draft_with(tiny_model(t.config.model_type, seed=1, layers=4)),
+                                          lambda t: draft_with(t), lambda t: NgramDrafter(),
+                                          lambda t: early_exit_drafter(t, 2, t.config.vocab_size)],
+                         ids=["random draft", "self draft", "ngram", "self:2"])
+def test_adaptive_k_greedy_equals_plain_greedy(target, make_drafter):
+    for prompt in PROMPTS[1:]:
+        got, _ = decode(target, make_drafter(target), prompt, AdaptiveK())
+        assert got == reference_greedy(target, prompt, NEW_TOKENS)
+
+
+class Oracle(Drafter):
+    """A free drafter that is always right: proposes the known greedy continuation (prompt lookup's ideal case)."""
+
+    def __init__(self, prompt, continuation):
+        self.full = torch.tensor([prompt + continuation])
+
+    def propose(self, context, k, sampling, generator):
+        return Proposal(self.full[:, context.shape[1]:context.shape[1] + k])
+
+
+def test_adaptive_k_drafts_long_with_a_free_drafter_that_is_always_accepted(target):
+    expected = reference_greedy(target, PROMPTS[1], 60)
+    policy = AdaptiveK()
+    got, stats = decode(target, Oracle(PROMPTS[1], expected), PROMPTS[1], policy, max_new_tokens=60)
+    assert got == expected and stats.acceptance_rate == 1.0
+    assert policy.next_k() == policy.k_max
+
+
+# --- through the user-facing API -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("draft", ["ngram", "ngram:2", "suffix", "suffix:4", "self:1", "self:3", "self"])
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_generator_by_drafter_name_equals_target_only(target, draft, k):
+    baseline = SpeculativeGenerator(target, None).generate(PROMPTS[3], max_new_tokens=20)
+    result = SpeculativeGenerator(target, draft, k).generate(PROMPTS[3], max_new_tokens=20)
+    assert result.token_ids == baseline.token_ids == reference_greedy(target, PROMPTS[3], 20)
+
+
+# --- sampling: chi-square against the target's exact distribution (tests/test_statistical.py) -------------------------
+
+def early_exit_toy_draft():
+    """A 6-token tiny transformer's first layer as the drafter of the toy target: the early-exit runner's q must
+    be a proper distribution that the verifier corrects (toy and transformer do not share weights, which only makes
+    rejections, the interesting path, more frequent)."""
+    model = tiny_model("qwen2", seed=3, vocab_size=VOCAB, layers=2)
+    return ModelDrafter(lambda: EarlyExitRunner(model, 1, VOCAB))
+
+
+SAMPLING_CASES = {
+    # The prompt ends in 1 4, seen before: lookup proposes 2 1 at the first cycle and keeps finding matches after.
+    "ngram on a repetitive prompt, k=2, 3 tokens": (NgramDrafter, [1, 4, 2, 1, 4], 2, 3,
+                                                    SamplingConfig(temperature=1.0)),
+    # One draft forward per generation: a transformer forward is ~2 ms of Python overhead even this small, and
+    # k=2, 3 tokens (~3.5 forwards) would take ~100 s; the cache-sync paths are covered by the greedy tests above.
+    "early exit (self:1), k=1, 2 tokens, top-k 4": (early_exit_toy_draft, PROMPT, 1, 2,
+                                                    SamplingConfig(temperature=0.9, top_k=4)),
+    # The history of earlier samples (a short one, to stay quick) makes the drafts vary from generation to generation.
+    "suffix with earlier requests, k=3, 3 tokens": (lambda: SuffixDrafter(max_history_tokens=60), [1, 4, 2, 1, 4], 3,
+                                                    3, SamplingConfig(temperature=1.0)),
+    # Lookup, the toy draft model and plain steps all take turns as their acceptance estimates move.
+    "per-cycle choice (suffix, model, none), k=3, 3 tokens": (
+        lambda: ChoosingDrafter(SuffixDrafter(max_history_tokens=60), toy_draft_model(),
+                                Costs(lambda width: 1.0 + 0.3 * (width - 1), 0.3)),
+        [1, 4, 2, 1, 4], 3, 3, SamplingConfig(temperature=1.0, top_p=0.9)),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLING_CASES))
+def test_speculative_sampling_matches_target_distribution(case, monkeypatch):
+    make_drafter, prompt, k, n_new, sampling = SAMPLING_CASES[case]
+    monkeypatch.setattr(conftest, "PROMPT", prompt)  # read by both target_distribution and sample_sequences
+    expected = target_distribution(ToyRunner(VOCAB, seed=0), n_new, sampling)
+    drafter = Spy(make_drafter())
+    counts = sample_sequences(lambda: drafter, k, n_new, sampling)
+    assert drafter.used > DRAWS // 2  # the drafter did draft, in most generations at least
+    assert chi_square_p_value(counts, expected) > ALPHA
+
+
 def test_forks_of_a_model_drafter_read_ahead_one_at_a_time(target):
     """Two requests of a batch whose draft model must read a prompt: the second waits until the first has read
     all of its own (llama.cpp's prefill passes share one context per model), then reads; closing a reader mid-way

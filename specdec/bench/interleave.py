@@ -70,9 +70,10 @@ def gaps(arrivals: list[float], start: float | None = None, end: float | None = 
 
 def interleaved(client, model: str, streamed: str, long_prompt: str, max_tokens: int, long_max_tokens: int,
                 token_ids: bool) -> dict:
-    """The streamed request, and the long prompt sent from another thread once STARTED_AFTER of the streamed answer's
-    pieces have come -> {"streamed": its record, "long": the long prompt's record, "long_sent"/"long_first" (the
-    clock of its sending and of its first piece), "arrivals": the streamed answer's pieces' clock}."""
+    """The streamed request (from a thread of its own), and the long prompt sent from this thread once STARTED_AFTER of
+    the streamed answer's pieces have come -> {"streamed": its record, "long": the long prompt's record,
+    "long_sent"/"long_first" (the clock of its sending and of its first piece), "arrivals": the streamed answer's
+    pieces' clock}."""
     arrivals, outcome = [], {}
 
     def stream():

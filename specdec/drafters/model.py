@@ -74,6 +74,10 @@ class ModelDrafter(Drafter):
                 return False
             prompt = context[:, :-1]
             self._reading, self._reader[0] = (prefill(self.runner, prompt), prompt), self
+        return self._read(whole)
+
+    def _read(self, whole: bool) -> bool:
+        """The next pass of the reading under way (whole: every pass left) -> whether it is done."""
         steps, prompt = self._reading
         try:
             next(steps)
@@ -107,12 +111,7 @@ class ModelDrafter(Drafter):
         to them and renormalised; the mass given up (summed over steps and rows, at the sampling temperature) is
         left in self.outside_mass."""
         if self._reading is not None:  # a read_ahead under way: its passes first
-            steps, prompt = self._reading
-            try:
-                run_through(steps)
-            finally:
-                self._stop_reading()
-            self.cached_ids = prompt
+            self._read(whole=True)
         # Roll back to what the cache shares with the context (the rejected tail goes), then feed the rest: at least
         # the last token, whose logits give the first draft token.
         keep = min(common_prefix_length(self.cached_ids, context), context.shape[1] - 1)
