@@ -290,44 +290,58 @@ def test_choosing_drafter_verifies_the_best_prefix_of_a_long_lookup_match(target
 
 
 class MatchingLookup(Drafter):
-    """A lookup that proposes the given tokens and says how long a suffix it matched (as SuffixDrafter does)."""
+    """A lookup that proposes the given tokens and says how long a suffix it matched, and what share of the matched
+    occurrences went on with its first token (as SuffixDrafter does)."""
 
     name = "suffix"
 
     def __init__(self):
-        self.tokens, self.last_match = [], 0
+        self.tokens, self.last_match, self.last_agreement = [], 0, 1.0
 
     def propose(self, context, k, sampling, generator) -> Proposal:
         return Proposal(torch.tensor([self.tokens[:k]], dtype=torch.long))
 
 
-def test_choosing_drafter_judges_a_lookup_by_the_length_of_its_match():
-    """Where a verified token costs a third of a step, a guess after a one-token match (accepted about a fifth of the
-    time, measured) is not worth verifying, one after a long match is; and what each band of match lengths earns
-    stays its own. The negative control, one estimate for every lookup, verifies the one-token match too."""
+def test_choosing_drafter_judges_a_lookup_by_its_match():
+    """Where a verified token costs a third of a step, a guess after a one-token match whose occurrences went on in
+    different ways (accepted about a fifth of the time, measured) is not worth verifying, one after a long match is;
+    and what each band of match lengths and agreement earns stays its own. The negative control, one estimate for
+    every lookup, verifies the split one-token match too."""
     from specdec.drafters import choice
 
     moderate = Costs(verify=lambda width: 1.0 + 0.35 * (width - 1), draft_step=0.6)
     context, generator = torch.tensor([[5, 6, 7, 8]]), make_generator(0)
 
-    def chosen(drafter, matched: int) -> int:
+    def chosen(drafter, matched: int, agreement: float = 1.0) -> int:
         drafter.lookup.tokens, drafter.lookup.last_match = [9, 10, 11, 12], matched
+        drafter.lookup.last_agreement = agreement
         return drafter.propose(context, 4, GREEDY, generator).tokens.shape[1]
 
     drafter = ChoosingDrafter(MatchingLookup(), None, moderate)
-    assert chosen(drafter, 1) == 0 and chosen(drafter, 3) > 0 and chosen(drafter, 12) >= chosen(drafter, 3)
+    assert chosen(drafter, 1, 0.5) == 0 and chosen(drafter, 3, 0.5) == 0
+    assert chosen(drafter, 3) > 0 and chosen(drafter, 12) >= chosen(drafter, 3)
     for _ in range(6):  # long matches keep proving right ...
         n = chosen(drafter, 12)
         drafter.accept(n, n)
-    assert chosen(drafter, 12) == 4 and chosen(drafter, 1) == 0  # ... which earns a one-token match nothing
+    assert chosen(drafter, 12) == 4 and chosen(drafter, 1, 0.5) == 0  # ... which earns a split match nothing
     for _ in range(6):  # two- and three-token matches keep failing: their band learns it, the long band does not
         drafter.accept(chosen(drafter, 2), 0)
     assert chosen(drafter, 2) == 0 and chosen(drafter, 12) == 4
 
     one_estimate = ChoosingDrafter(MatchingLookup(), None, moderate)
-    one_estimate._lookup_estimate = lambda: "lookup"  # every match length judged alike, as before the bands
-    assert chosen(one_estimate, 1) > 0
-    assert choice.MATCH_BANDS[1] < 0.35 < min(prior for band, prior in choice.MATCH_BANDS.items() if band > 1)
+    one_estimate._lookup_estimate = lambda: "lookup"  # every lookup judged alike, as before the bands
+    assert chosen(one_estimate, 1, 0.5) > 0
+    assert choice.SPLIT_PRIOR < 0.35 < min(choice.MATCH_BANDS.values())
+
+
+def test_a_suffix_drafter_says_how_far_its_matched_occurrences_agreed():
+    """last_agreement is the share of the matched occurrences that went on with the first draft token: 1.0 where
+    every occurrence did, less where they split (the chooser judges such a lookup by an estimate of its own)."""
+    drafter = SuffixDrafter()
+    agreed = drafter.propose(torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]]), 2, GREEDY, make_generator(0))
+    assert agreed.tokens.tolist() == [[3, 1]] and drafter.last_agreement == 1.0
+    split = drafter.propose(torch.tensor([[1, 2, 1, 2, 1, 4, 1, 5, 1]]), 2, GREEDY, make_generator(0))
+    assert split.tokens.tolist()[0][:1] == [2] and drafter.last_agreement == 0.5
 
 
 def test_choosing_drafter_is_capped_by_the_engines_k(target):
@@ -511,7 +525,7 @@ SAMPLING_CASES = {
     # Lookup, the toy draft model and plain steps all take turns as their acceptance estimates move.
     "per-cycle choice (suffix, model, none), k=3, 3 tokens": (
         lambda: ChoosingDrafter(SuffixDrafter(max_history_tokens=60), toy_draft_model(),
-                                Costs(lambda width: 1.0 + 0.3 * (width - 1), 0.3)),
+                                Costs(lambda width: 1.0 + 0.1 * (width - 1), 0.1)),
         [1, 4, 2, 1, 4], 3, 3, SamplingConfig(temperature=1.0, top_p=0.9)),
 }
 

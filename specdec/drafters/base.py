@@ -54,6 +54,8 @@ class Drafter:
     chooses_k = False  # True: the drafter decides how many tokens to draft, and the engine's k only caps it
     model = None  # the draft model it runs, if any
     last_match = 0  # tokens of the context the last proposal was matched on (lookup drafters; 0: not a lookup)
+    # The share of the matched occurrences that went on with the last proposal's first token (lookup drafters)
+    last_agreement = 1.0
     # Set by a batch before each cycle: other requests wait on this one's passes, so a drafter spreads long work (a
     # draft model reading a prompt) over cycles; alone, it does it at once.
     others_waiting = False

@@ -116,6 +116,7 @@ class SuffixDrafter(Drafter):
         self._last_context: np.ndarray | None = None  # the current request's text as last seen
         self.last_match = 0  # matched suffix length of the last proposal (for a chooser, and the curious)
         self.last_probabilities: list[float] = []
+        self.last_agreement = 1.0  # the share of the matched occurrences that went on with the first draft token
 
     def fork(self, pools=None, shared_history: bool = True) -> SuffixDrafter:
         """The same settings and, with shared_history, the same history (which the fork extends when its request
@@ -142,6 +143,7 @@ class SuffixDrafter(Drafter):
         corpus = np.concatenate([corpus, self._last_context]) if len(corpus) else self._last_context
         draft, self.last_match, self.last_probabilities = suffix_draft(corpus, k, self.max_match,
                                                                        self.min_probability)
+        self.last_agreement = self.last_probabilities[0] if self.last_probabilities else 1.0
         return Proposal(torch.tensor([draft], dtype=torch.long).reshape(1, len(draft)))
 
 
