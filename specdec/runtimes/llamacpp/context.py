@@ -164,9 +164,10 @@ def prefill_bounds(tokens: list[int], marks: frozenset[int], answer_start: tuple
     return [end for end, _ in prefill_segments(tokens, marks, answer_start)]
 
 
-def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, int, int, bool]]) -> np.ndarray:
     """One llama_decode of model's over entries (sequence id, position, token, whether its logits are wanted), under
-    the model's kernel plan -> the wanted rows, in order. If it fails, every sequence in it is cut back to where its
+    the model's kernel plan -> the wanted rows [wanted, n_vocab], in order (copied once out of llama.cpp's buffer,
+    which its next pass overwrites). If it fails, every sequence in it is cut back to where its
     tokens start (the cache may hold part of the batch), so that its runner stays consistent."""
     plan = model.kernel_plan  # (its first use calibrates it, with passes of its own: before taking the lock)
     lib, batch, n_vocab = context.lib, context.batch, model.n_vocab
@@ -188,8 +189,11 @@ def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, in
         said = recent_problems()
         raise RuntimeError(f"llama.cpp failed to evaluate {len(entries)} tokens (llama_decode returned {status}"
                            + (f"; llama.cpp said: {said})" if said else ")"))
-    return [np.ctypeslib.as_array(lib.llama_get_logits_ith(context.ctx, i), shape=(n_vocab,)).copy()
-            for i, (_, _, _, want) in enumerate(entries) if want]
+    wanted = [i for i, (_, _, _, want) in enumerate(entries) if want]
+    rows = np.empty((len(wanted), n_vocab), dtype=np.float32)
+    for row, i in enumerate(wanted):
+        rows[row] = np.ctypeslib.as_array(lib.llama_get_logits_ith(context.ctx, i), shape=(n_vocab,))
+    return rows
 
 
 class SlotPool:
@@ -223,9 +227,10 @@ class SlotPool:
     def idle(self) -> bool:
         return len(self._free) == self.sequences
 
-    def take(self, vocab_size: int) -> LlamaCppRunner:
+    def take(self, vocab_size: int, tenant: str | None = None) -> LlamaCppRunner:
         """A runner on the lowest free slot: the sequences in use stay consecutive where they can, so that a fused
-        pass over them runs as few sub-passes (LlamaCppModel.fused_pass_cost)."""
+        pass over them runs as few sub-passes (LlamaCppModel.fused_pass_cost). Its prompts are reused from and cached
+        in the prompt cache for this tenant's runners alone."""
         from specdec.runtimes.llamacpp.runner import LlamaCppRunner
 
         if not self._free and self.takeover:
@@ -240,7 +245,7 @@ class SlotPool:
             raise RuntimeError("this pool was closed; make a new one")
         seq = min(self._free)
         self._free.remove(seq)
-        runner = LlamaCppRunner(self, seq, vocab_size)
+        runner = LlamaCppRunner(self, seq, vocab_size, tenant)
         self._holders[seq] = weakref.ref(runner)
         return runner
 

@@ -48,8 +48,9 @@ def plan_passes(tokens: list[int], segments: list[tuple[int, bool]], start: int,
 class LlamaCppRunner:
     """Sequence `seq` of a pool's context. Made by SlotPool.take; close() gives the slot back (so does collection)."""
 
-    def __init__(self, pool: SlotPool, seq: int, vocab_size: int):
+    def __init__(self, pool: SlotPool, seq: int, vocab_size: int, tenant: str | None = None):
         self.pool, self.model, self.seq, self.vocab_size = pool, pool.model, seq, vocab_size
+        self.tenant = tenant  # whose prompts it may reuse from the prompt cache (SlotPool.take)
         self.max_length = pool.max_length
         self._tokens: list[int] = []  # the tokens whose entries its cache holds, in order
         self.prompt_length = 0  # of them, its prompt's
@@ -102,14 +103,15 @@ class LlamaCppRunner:
             rows = run_through(self._prefill(tokens, wanted, cacheable=last_only))
         else:
             context = self.check_room(self.length + len(tokens))
-            rows = []
+            pieces = []
             for start in range(0, len(tokens), BATCH):  # in passes of at most BATCH tokens
                 piece = tokens[start:start + BATCH]
-                rows += evaluate(self.model, context, [(self.seq, self.length + i, token, want) for i, (token, want)
-                                                       in enumerate(zip(piece, wanted[start:start + BATCH]))])
+                entries = [(self.seq, self.length + i, token, want)
+                           for i, (token, want) in enumerate(zip(piece, wanted[start:start + BATCH]))]
+                pieces.append(evaluate(self.model, context, entries))
                 self._tokens += piece
-        logits = torch.from_numpy(np.stack(rows))[None]  # [1, rows, n_vocab]
-        return logits[..., : self.vocab_size]
+            rows = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        return torch.from_numpy(rows)[None][..., : self.vocab_size]  # [1, rows, vocab]
 
     def prefill(self, input_ids: torch.Tensor) -> Iterator[None]:
         """A new sequence's prompt [1, n], pass by pass: the generator yields after each pass but the last and returns
@@ -120,7 +122,7 @@ class LlamaCppRunner:
         if input_ids.shape[0] != 1 or not tokens or self._tokens:
             raise ValueError("prefill takes a new sequence's prompt: one row of at least one token")
         rows = yield from self._prefill(tokens, [i == len(tokens) - 1 for i in range(len(tokens))], cacheable=True)
-        return torch.from_numpy(np.stack(rows))[None][..., : self.vocab_size]
+        return torch.from_numpy(rows)[None][..., : self.vocab_size]
 
     def _segments(self, tokens: list[int]) -> list[tuple[int, bool]]:
         return prefill_segments(tokens, self.model.segment_marks, self.model.answer_start)
@@ -158,14 +160,14 @@ class LlamaCppRunner:
 
     def _owner(self, n_seq: int) -> tuple:
         """The prompt cache's owner of this runner's segments: its model, in contexts of this shape, cut and passed as
-        its prompts are (which segments are answers)."""
-        return self.model, n_seq, self.model.answer_start
+        its prompts are (which segments are answers), for its tenant."""
+        return self.model, n_seq, self.model.answer_start, self.tenant
 
     def _run(self, tokens: list[int], wanted: list[bool], passes: list[tuple[int, int, bool]]) -> Iterator[None]:
         """Evaluate the passes, yielding between them -> (the generator's value) the wanted rows. A pass in the prefill
         model runs over a copy of the sequence's cache in its context, copied back when a pass here follows (and at
         the end). Other sequences' passes may run at the yields; the pool's context is looked up after each."""
-        rows, there, elsewhere = [], None, self.model.prefill_model
+        pieces, there, elsewhere = [], None, self.model.prefill_model
         try:
             for index, (begin, end, away) in enumerate(passes):
                 if index:
@@ -178,15 +180,15 @@ class LlamaCppRunner:
                 elif not away and there is not None:
                     self._bring_back(context, there)
                     there = None
-                rows += evaluate(elsewhere if away else self.model, there if away else context,
-                                 [(self.seq, i, tokens[i], wanted[i]) for i in range(begin, end)])
+                pieces.append(evaluate(elsewhere if away else self.model, there if away else context,
+                                       [(self.seq, i, tokens[i], wanted[i]) for i in range(begin, end)]))
             if there is not None:
                 self._bring_back(self.check_room(len(tokens)), there)
                 there = None
         finally:
             if there is not None:  # (interrupted: the prefill context is not left half full and large)
                 elsewhere.release_prefill_context()
-        return rows
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
 
     def _bring_back(self, context: Context, there: Context) -> None:
         context.remove(self.seq, 0)
