@@ -228,11 +228,13 @@ class Batch:
         gen = self.generator
         request.check_fits(self.max_length)
         # A seeded sample depends on how much is drafted each cycle, so it must not read what other requests left in
-        # the drafter's shared history.
-        drafter = gen.drafter.fork(self.pool, shared_history=not request.seeded_sample)
+        # the drafter's shared history. A tenant's requests draw on that tenant's earlier ones alone (Request.tenant).
+        tenant = request.tenant
+        drafter = gen.drafter_for(tenant).fork(lambda model: _TenantsPool(self.pool(model), tenant),
+                                               shared_history=not request.seeded_sample)
         runner = None
         try:
-            runner = self.pool(gen.target).take(gen.vocab_size)
+            runner = self.pool(gen.target).take(gen.vocab_size, tenant)
             k = _k_policy(request, drafter, gen.k_priors())
             stats = SpecStats()
             decoding = Decoding(runner, drafter, torch.tensor([request.prompt_ids]), k=k,
@@ -319,6 +321,17 @@ class Batch:
         for sequence in self.active:
             sequence.close()
         self.active = []
+
+
+class _TenantsPool:
+    """A batch's pool of a model as one tenant's drafter takes sequences from it (their prompts cached for that tenant
+    alone: SequencePool.take)."""
+
+    def __init__(self, pool: SequencePool, tenant: str | None):
+        self.pool, self.tenant = pool, tenant
+
+    def take(self, vocab_size: int) -> Runner:
+        return self.pool.take(vocab_size, self.tenant)
 
 
 def _k_policy(request: Request, drafter, priors: dict):

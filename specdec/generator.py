@@ -13,7 +13,7 @@ import torch
 from specdec.adaptive import make_k_policy
 from specdec.batching import Batch
 from specdec.batching import Generation
-from specdec.drafters import CrossVocabDrafter, ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
+from specdec.drafters import CrossVocabDrafter, Drafter, ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
 from specdec.drafters.choice import ChoosingDrafter, Costs
 from specdec.vocabulary import own_vocab_size
 from specdec.output import Chunk, GenerationResult
@@ -81,6 +81,7 @@ class SpeculativeGenerator:
             c = self.draft_costs.step_s / self.target_costs.step_s
             costs = Costs(self.target_costs.verify_cost, c, c * self.draft_costs.verify_cost(16) / 16)
             self.drafter = ChoosingDrafter(SuffixDrafter(), self.drafter, costs)
+        self._tenants_drafters: dict[str, Drafter] = {}  # tenant -> the drafter whose history its requests share
         # The prompt cache its requests prefill through, where the runtime caches prompts (None: every prompt is
         # prefilled whole)
         self.prompt_cache = prompt_cache if isinstance(prompt_cache, PromptCache) else PromptCache.of_megabytes(
@@ -94,6 +95,15 @@ class SpeculativeGenerator:
             # The runtime prefills a chat's answers as decoding computed them, and caches an answer for the
             # conversation's next turn: it must know where answers are (with or without a cache: the same passes)
             self.target.answer_start, self.target.answer_end = answer_marks(self.tokenizer)
+
+    def drafter_for(self, tenant: str | None) -> Drafter:
+        """The drafter whose forks a tenant's requests draft with: its lookup history is that tenant's earlier
+        requests alone (None: the generator's own drafter, shared by every request without a tenant)."""
+        if tenant is None:
+            return self.drafter
+        if tenant not in self._tenants_drafters:
+            self._tenants_drafters[tenant] = self.drafter.fork(shared_history=False)
+        return self._tenants_drafters[tenant]
 
     def keep_answer(self, sequence) -> None:
         """A finished chat request's answer (a batching.Generation) into the prompt cache, where its runtime keeps
@@ -182,17 +192,17 @@ class SpeculativeGenerator:
 
     def request(self, prompt, max_new_tokens: int | None = 128, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (), chat: bool = False,
-                k: int | str | None = None, max_length: int | None = None) -> Request:
+                k: int | str | None = None, max_length: int | None = None, tenant: str | None = None) -> Request:
         """One request, built and checked: the prompt encoded (see encode), the settings validated, and prompt plus
         max_new_tokens checked against max_length (default: the target's context), the tokens one sequence holds.
         max_new_tokens None: as many as the context has room for. Raises ValueError (ContextLengthExceeded when it
-        does not fit)."""
+        does not fit). tenant: whose earlier requests it may draw on (Request.tenant)."""
         limit = self.context_length if max_length is None else max_length
         ids = self.encode(prompt, chat)
         if max_new_tokens is None:
             max_new_tokens = max(limit - len(ids), 0)
         request = Request(tuple(ids), max_new_tokens, SamplingConfig(temperature, top_k, top_p), seed,
-                          tuple(s for s in stop if s), self.k if k is None else k)
+                          tuple(s for s in stop if s), self.k if k is None else k, tenant)
         make_k_policy(request.k)  # a bad k is refused here, not at the first cycle
         request.check_fits(limit)
         return request

@@ -41,6 +41,9 @@ class Request:
     seed: int | None = None  # a sample's random stream; None: fresh randomness
     stop: tuple[str, ...] = ()  # output ends before the first of these strings
     k: int | str = "auto"  # draft tokens per cycle, or "auto"
+    # Whose earlier requests this one may draw on (the prompt cache's segments and answers, the suffix lookup's
+    # history): those of the same tenant only; None, the one tenant of a server without keys or that shares them.
+    tenant: str | None = None
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -423,3 +423,24 @@ def test_streamed_text_equals_the_whole_decode_and_each_step_decodes_only_a_wind
             tokenizer.decode = decode
         assert "".join(texts) == (whole[:whole.index(stop)] if stop else whole)
         assert max(decoded) <= DECODE_WINDOW + 40, max(decoded)  # a window and its step, not all 300 tokens
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["kept-apart", "shared"])
+def test_each_keys_requests_reuse_only_that_keys_cached_prompts_unless_shared(smollm, shared):
+    """With several API keys, a prompt that one key's client sent is reused for that key's next request and not for
+    another key's (its time to first token and cached_tokens would tell that client what the first one sent); the
+    answers are the same either way. The negative control, --share-across-keys, reuses it for both."""
+    import openai
+
+    from specdec.server.app import create_app
+
+    model, tokenizer = smollm
+    gen = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=64)
+    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "What is the next step?"}]
+    greedy = {"temperature": 0}
+    with serve(create_app(gen, "smollm", api_key=["key-a", "key-b"], share_across_keys=shared)) as url:
+        a, b = (openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0) for key in ("key-a", "key-b"))
+        first, other, again = chat(a, messages, greedy), chat(b, messages, greedy), chat(a, messages, greedy)
+    assert first["cached"] == 0 and again["cached"] > 0
+    assert (other["cached"] > 0) == shared
+    assert first["token_ids"] == other["token_ids"] == again["token_ids"]

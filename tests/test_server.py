@@ -418,6 +418,29 @@ def test_api_key_is_enforced_except_on_health(generator):
         assert out.choices[0].text == generator.generate("ab", max_new_tokens=5).text
 
 
+def test_each_keys_requests_draft_only_from_that_keys_earlier_text_unless_shared():
+    """With several API keys, the suffix lookup drafts a key's request from that key's earlier requests alone: after
+    key A's answer, A's next request with the same prompt drafts it from history and has it accepted, key B's does
+    not find it (its acceptance would tell B what A was answered). Negative control: shared across keys, B drafts it
+    too. The answers are the target's either way."""
+    target = tiny_model("qwen2", seed=0, vocab_size=60)
+    prompt, settings = "kqzjxwvu", dict(model=MODEL, max_tokens=24, temperature=0)
+    accepted = {}
+    for shared in (False, True):
+        gen = SpeculativeGenerator(target, "suffix", k=3, tokenizer=char_tokenizer())
+        with serve(create_app(gen, MODEL, api_key=["key-a", "key-b"], share_across_keys=shared)) as base:
+            a, b = (openai.OpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0, timeout=30)
+                    for key in ("key-a", "key-b"))
+            first = a.completions.create(prompt=prompt, **settings)
+            other, again = b.completions.create(prompt=prompt, **settings), a.completions.create(prompt=prompt,
+                                                                                                 **settings)
+        assert first.choices[0].text == other.choices[0].text == again.choices[0].text
+        accepted[shared] = [reply.model_extra["specdec"]["accepted_tokens"] for reply in (first, other, again)]
+    (first, other, again), (_, shared_other, _) = accepted[False], accepted[True]
+    assert again > first and again > other, accepted  # A's history holds its answer; B's does not
+    assert shared_other == again, accepted
+
+
 # ---- `specdec serve`
 
 
@@ -874,6 +897,26 @@ def test_ctx_size_and_max_batch_are_decided_by_the_kv_cache_that_fits():
     assert choose_ctx_size(256, available_bytes=small, **fits) == 256  # a smaller --ctx-size fits them all
     # A trained context below the minimum is the default when it fits.
     assert choose_ctx_size(None, available_bytes=8 * gib, **{**fits, "trained_context": 256}) == 256
+
+
+def test_the_prompt_cache_and_a_prefills_copies_count_against_the_memory_for_the_kv_caches():
+    """The prompt cache's budget comes out of the share of memory the KV caches may take, and a prefill through it
+    copies a sequence's KV state PREFILL_COPIES times: a context that fits without the cache is refused with it,
+    saying which flags to change. Negative control: without a prompt cache, the same context fits."""
+    from specdec.server.limits import MEMORY_SHARE, PREFILL_COPIES, choose_ctx_size
+
+    mib, gib = 2**20, 2**30
+    fits = dict(kv_bytes_per_token=mib // 8, trained_context=32768, max_batch=8, available_bytes=16 * gib)
+    share = int(16 * gib * MEMORY_SHARE)
+    cache = gib
+    with_cache = (share - cache) // (mib // 8 * (8 + PREFILL_COPIES))
+    assert choose_ctx_size(None, prompt_cache_bytes=cache, **fits) == with_cache // 256 * 256
+    assert choose_ctx_size(None, **fits) == share // mib // 256 * 256 > with_cache
+    assert choose_ctx_size(with_cache + 1, **fits) == with_cache + 1  # fits without the cache ...
+    with pytest.raises(ValueError, match=r"less the prompt cache's 1\.0 GiB \(--prompt-cache-mb\).*use --ctx-size"):
+        choose_ctx_size(with_cache + 1, prompt_cache_bytes=cache, **fits)  # ... not with it
+    with pytest.raises(ValueError, match=r"or --prompt-cache-mb"):  # a cache that leaves no room at all
+        choose_ctx_size(None, prompt_cache_bytes=share, **fits)
 
 
 def test_available_memory_reads_memavailable(tmp_path):

@@ -24,8 +24,8 @@ from typing import Callable
 from specdec.adaptive import Acceptance, best_k, expected_tokens
 from specdec.drafters.base import Drafter, Proposal
 
-# A lookup's acceptance depends on how long a suffix of the context it matched (`last_match` of a suffix drafter), and on
-# whether the earlier occurrences of that suffix all went on with the token it drafts first (`last_agreement`).
+# A lookup's acceptance depends on how long a suffix of the context it matched (`last_match` of a suffix drafter),
+# and on whether the earlier occurrences of that suffix all went on with the token it drafts first (`last_agreement`).
 # Measured with the default target on 25 prompts of the packaged workloads that the benchmarks do not use (HumanEval,
 # ASDiv and XSum from the 21st on; greedy target-only output replayed, a suffix lookup after every token, 1,864
 # lookups): where the occurrences agreed, the first draft token was accepted after 53% of one-token matches, 63% of

@@ -78,8 +78,9 @@ class SequencePool(Protocol):
     def free(self) -> int:
         """Sequences take() can start now."""
 
-    def take(self, vocab_size: int) -> Runner:
-        """A new, empty sequence."""
+    def take(self, vocab_size: int, tenant: str | None = None) -> Runner:
+        """A new, empty sequence; where the runtime caches prompts, it reuses and caches them for this tenant's
+        sequences alone (None: the sequences without a tenant)."""
 
     def forward_many(self, items: list[tuple[Runner, torch.Tensor]]) -> list[torch.Tensor]:
         """Each runner's logits for its tokens [1, n] -> [1, n, vocab], as runner.forward would give them (in one

@@ -214,8 +214,8 @@ class TorchPool:
     def free(self) -> int:
         return sys.maxsize
 
-    def take(self, vocab_size: int) -> TorchRunner:
-        return TorchRunner(self.model, vocab_size, self.max_length, self)
+    def take(self, vocab_size: int, tenant: str | None = None) -> TorchRunner:
+        return TorchRunner(self.model, vocab_size, self.max_length, self)  # (no prompt cache: nothing is shared)
 
     def forward_many(self, items: list[tuple[Runner, torch.Tensor]]) -> list[torch.Tensor]:
         return [runner.forward(tokens) for runner, tokens in items]

@@ -33,11 +33,15 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaul
 
 
 class Service:
-    """What the routes share: the generator, the scheduler, the metrics, and the context one request holds."""
+    """What the routes share: the generator, the scheduler, the metrics, and the context one request holds.
+
+    tenants: each API key's requests draw only on that key's earlier ones (the prompt cache, the suffix lookup's
+    history), so that no client can learn from a cache hit, a time to first token or a draft's acceptance what another
+    key's clients sent or were answered; False: every request draws on all earlier ones."""
 
     def __init__(self, generator: SpeculativeGenerator, model_name: str, max_batch: int, max_queue: int,
-                 ctx_size: int, request_timeout: float | None):
-        self.generator, self.model_name = generator, model_name
+                 ctx_size: int, request_timeout: float | None, tenants: bool = False):
+        self.generator, self.model_name, self.tenants = generator, model_name, tenants
         self.scheduler = Scheduler(generator, max_batch, max_queue, ctx_size, request_timeout)
         self.context = self.scheduler.batch.max_length  # tokens one request holds, prompt and completion
         self.metrics = Metrics(self.scheduler, generator.prompt_cache)
@@ -58,16 +62,23 @@ class Service:
             raise APIError(400, f"{unsupported} is not supported by this server", unsupported,
                            "unsupported_parameter")
 
-    async def build(self, body: Body, prompt, chat: bool, max_tokens: int | None, param: str) -> GenerationRequest:
+    def tenant(self, request: Request) -> str | None:
+        """Whose earlier requests this one may draw on: its API key's (Authenticate), where keys are kept apart."""
+        key = getattr(request.state, "key", None)
+        return f"key {key}" if self.tenants and key is not None else None
+
+    async def build(self, body: Body, prompt, chat: bool, max_tokens: int | None, param: str,
+                    tenant: str | None = None) -> GenerationRequest:
         """The request, built and checked by the generator in a worker thread (the chat template and the tokenizer
         are blocking work: the event loop keeps answering meanwhile). max_tokens None: what the context has room for.
-        A request that cannot fit in the context (--ctx-size) is refused here, with what to change."""
+        A request that cannot fit in the context (--ctx-size) is refused here, with what to change. tenant: whose
+        earlier requests it may draw on (Service.tenant)."""
         settings = dict(temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k,
                         top_p=body.top_p, seed=body.seed,
                         stop=[body.stop] if isinstance(body.stop, str) else body.stop or [])
         try:
             return await run_in_threadpool(self.generator.request, prompt, max_tokens, chat=chat,
-                                           max_length=self.context, **settings)
+                                           max_length=self.context, tenant=tenant, **settings)
         except ContextLengthExceeded as error:
             raise APIError(400, str(error), param if error.prompt_too_long else "max_tokens",
                            "context_length_exceeded") from error
@@ -110,10 +121,12 @@ class Service:
 
 def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | Sequence[str] | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_batch: int = DEFAULT_MAX_BATCH, ctx_size: int | None = None,
-               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S) -> FastAPI:
+               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S, share_across_keys: bool = False) -> FastAPI:
     """An OpenAI-compatible app serving `generator` under `model_name` (the `model` clients must send).
 
-    api_key: the key, or keys, of which every route but /health needs one (None or none: no key asked for).
+    api_key: the key, or keys, of which every route but /health needs one (None or none: no key asked for). With
+    several, each key's requests draw only on that key's earlier ones (the prompt cache, the lookup history: Service),
+    unless share_across_keys.
 
     ctx_size: the tokens one request may hold, prompt and completion (default: what memory allows, limits.
     choose_ctx_size); a ctx_size or max_batch whose KV caches cannot fit is refused here (ValueError).
@@ -121,14 +134,16 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
     """
     ctx_size = choose_ctx_size(ctx_size, kv_bytes_per_token=generator.kv_bytes_per_token(),
                                trained_context=generator.context_length, max_batch=max_batch,
-                               available_bytes=available_memory())
-    service = Service(generator, model_name, max_batch, max_queue, ctx_size, request_timeout)
+                               available_bytes=available_memory(),
+                               prompt_cache_bytes=generator.prompt_cache.budget_bytes if generator.prompt_cache else 0)
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    service = Service(generator, model_name, max_batch, max_queue, ctx_size, request_timeout,
+                      tenants=len(keys) > 1 and not share_across_keys)
     app = FastAPI(title="specdec", summary="Exact speculative decoding behind an OpenAI-compatible API")
     app.state.service = service
     # Added innermost first: Observe(Authenticate(LimitBody(app))), so that a client without the key is refused
     # before its body is read, and 401s and 413s are counted too.
     app.add_middleware(LimitBody, max_bytes=MAX_BODY_BYTES)
-    keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
     if keys:
         app.add_middleware(Authenticate, api_keys=keys)
     app.add_middleware(Observe, metrics=service.metrics)
@@ -154,7 +169,7 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
         started = time.perf_counter()
         service.check(body)
         max_tokens = COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        generation = await service.build(body, body.prompt, False, max_tokens, "prompt")
+        generation = await service.build(body, body.prompt, False, max_tokens, "prompt", service.tenant(request))
         return await service.respond(request, body, generation, chat=False, started=started)
 
     @app.post("/v1/chat/completions")
@@ -163,7 +178,7 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
         service.check(body)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         messages = [message.as_template_input() for message in body.messages]
-        generation = await service.build(body, messages, True, requested, "messages")
+        generation = await service.build(body, messages, True, requested, "messages", service.tenant(request))
         return await service.respond(request, body, generation, chat=True, started=started)
 
     @app.get("/v1/models")

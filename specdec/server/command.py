@@ -29,7 +29,12 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--api-key-file", default=None, metavar="FILE",
                         help="accept any of the keys in FILE, one a line (blank lines and lines starting with # are "
                              "skipped), beside --api-key: several clients with keys of their own, and no key on the "
-                             "command line")
+                             "command line. Each key's requests reuse only that key's cached prompts and answers and "
+                             "draft only from that key's earlier text, unless --share-across-keys")
+    parser.add_argument("--share-across-keys", action="store_true",
+                        help="with several keys, let every key's requests reuse all cached prompts and draft from "
+                             "all earlier text: faster where clients send the same documents, but a client can then "
+                             "tell from a cache hit or a draft's acceptance what another key's clients sent")
     parser.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
                         help="requests decoded together, each drafting with its own fork of the drafter, their "
                              "target passes fused where the runtime can; 1 serves one at a time. Refused at start "
@@ -39,7 +44,7 @@ def add_serve_parser(subparsers) -> None:
                              "against it and /v1/models reports it as max_model_len (default: what memory allows: "
                              f"the largest multiple of {CTX_STEP} tokens, at most the target's trained context, for "
                              f"which --max-batch requests' KV caches fit in {MEMORY_SHARE:.0%}% of the available "
-                             "memory)")
+                             "memory, less the prompt cache's budget and the copies a prefill through it makes)")
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                         help="requests that may wait while the batch is full; more get 503 (default: %(default)s)")
     parser.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="SECONDS",
@@ -68,7 +73,8 @@ def app_from_args(args):
     check_serve_args(args)
     generator = generator_from_args(args, args.prompt_cache_mb)  # loaded once, shared by every request
     return create_app(generator, args.model_name or args.target, api_keys(args), args.max_queue, args.max_batch,
-                      ctx_size=args.ctx_size, request_timeout=args.request_timeout)
+                      ctx_size=args.ctx_size, request_timeout=args.request_timeout,
+                      share_across_keys=getattr(args, "share_across_keys", False))
 
 
 def api_keys(args) -> list[str]:

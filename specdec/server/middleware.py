@@ -44,7 +44,9 @@ class Observe:
 
 class Authenticate:
     """Every route but /health requires `Authorization: Bearer <one of the api keys>`. It sits outside LimitBody: a
-    client without a key gets 401 from its headers alone, and the server never reads or buffers its body."""
+    client without a key gets 401 from its headers alone, and the server never reads or buffers its body. Which key
+    it was (its place in the list) is left in the request's state as `key` (the request's tenant, where the server
+    keeps each key's requests apart)."""
 
     def __init__(self, app, api_keys: list[str]):
         if not api_keys or not all(api_keys):
@@ -55,10 +57,12 @@ class Authenticate:
         if scope["type"] == "http" and scope["path"] != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
             # every key compared, in constant time each: the time taken says nothing of which one came close
-            if not any([secrets.compare_digest(given, expected) for expected in self.expected]):
+            matches = [secrets.compare_digest(given, expected) for expected in self.expected]
+            if not any(matches):
                 error = APIError(401, "missing or incorrect API key: send `Authorization: Bearer <key>`",
                                  code="invalid_api_key")
                 return await error.response()(scope, receive, send)
+            scope.setdefault("state", {})["key"] = matches.index(True)
         await self.app(scope, receive, send)
 
 
