@@ -62,6 +62,8 @@ def batch_cycle(decodings: list[Decoding], width: int, pass_cost: PassCost | Non
     logits = fused_forward([(decodings[i].target, feeds[i]) for i in passing], width)
     elapsed = time.perf_counter() - started
     results = dict(zip(passing, logits))
+    if len(passing) == 1 and not isinstance(logits[0], Exception):  # what a pass of this width costs, where served
+        decodings[passing[0]].drafter.observe_pass(feeds[passing[0]].shape[1], elapsed)
     for i in live:
         result = results.get(i)
         if isinstance(result, Exception):  # its pass failed (the runtime cut its cache back)
@@ -232,6 +234,7 @@ class Batch:
         tenant = request.tenant
         drafter = gen.drafter_for(tenant).fork(lambda model: _TenantsPool(self.pool(model), tenant),
                                                shared_history=not request.seeded_sample)
+        drafter.by_calibration_alone = request.seeded_sample
         runner = None
         try:
             runner = self.pool(gen.target).take(gen.vocab_size, tenant)

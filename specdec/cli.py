@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -38,61 +39,90 @@ def run_generate(args) -> int:
     gen = generator_from_args(args)
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
-    # Target-only shares the prompt cache: each is timed warm, as llama-server's slot is after its warm-up
-    plain = SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer, runtime=gen.runtime,
-                                 prompt_cache=gen.prompt_cache or 0)
-    if args.compare:  # untimed warm-up of both: the first pass over freshly loaded weights is slower
-        for warm in (gen, plain):
-            warm.generate(args.prompt, **{**settings, "max_new_tokens": min(2, args.max_new_tokens)})
     out = gen.generate(args.prompt, **settings)
-    baseline = plain.generate(args.prompt, **settings) if args.compare else None
-    llama_server = _llama_server(gen, args) if args.compare else None
-    llama_cpp = _plain_llama_cpp(gen, args, settings) if args.compare and llama_server is None else None
+    comparison = _compare(gen, args, settings, out) if args.compare else None
     if args.json:
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                   "stats": out.stats.to_dict(), "cross_vocabulary": gen.cross_vocabulary,
                   "kernel_plans": gen.kernel_plans()}
-        if baseline is not None:
-            record["baseline"] = {"tokens_per_s": baseline.stats.tokens_per_s,
-                                  "identical": baseline.token_ids == out.token_ids,
-                                  "speedup": out.stats.tokens_per_s / baseline.stats.tokens_per_s}
-        if llama_server is not None:
-            rate, how = llama_server
-            record["llama_server"] = {"tokens_per_s": rate, "speedup": out.stats.tokens_per_s / rate,
-                                      "settings": how}
-        if llama_cpp is not None:
-            record["llama_cpp"] = {"tokens_per_s": llama_cpp, "speedup": out.stats.tokens_per_s / llama_cpp}
+        if comparison is not None:
+            record["compared"] = comparison
         print(json.dumps(record))
         return 0
     from specdec.display import print_marked, summary_line
 
     print_marked(gen.tokenizer, out.token_ids, out.from_draft)
     print(summary_line(out.stats, args.draft != "none"))
-    if baseline is not None:
-        same = "identical output" if baseline.token_ids == out.token_ids else "different samples"
-        print(f"target-only: {baseline.stats.tokens_per_s:.2f} tokens/s -> speed-up "
-              f"{out.stats.tokens_per_s / baseline.stats.tokens_per_s:.2f}x ({same})")
-    if llama_server is not None:
-        rate, how = llama_server
-        print(f"upstream llama-server (unpatched, {how}, same file, over HTTP): {rate:.2f} tokens/s "
-              f"-> speed-up {out.stats.tokens_per_s / rate:.2f}x")
-    if llama_cpp is not None:
-        print(f"plain llama.cpp (llama-cpp-python's own loop, its default settings, same file): {llama_cpp:.2f} "
-              f"tokens/s -> speed-up {out.stats.tokens_per_s / llama_cpp:.2f}x (build upstream llama-server with "
-              "`make llama-server` to compare with it instead)")
-    if args.compare:
+    if comparison is not None:
+        ours = comparison["specdec"]
+        print(f"compared, each run {comparison['rounds']} times in turn (medians): specdec {ours:.2f} tokens/s")
+        same = "identical output" if comparison["identical"] else "different samples"
+        print(f"target-only: {comparison['target_only']:.2f} tokens/s -> speed-up "
+              f"{ours / comparison['target_only']:.2f}x ({same})")
+        if "llama_server" in comparison:
+            rate = comparison["llama_server"]
+            print(f"upstream llama-server (unpatched, {comparison['llama_server_settings']}, same file, over HTTP): "
+                  f"{rate:.2f} tokens/s -> speed-up {ours / rate:.2f}x")
+        if "llama_cpp" in comparison:
+            rate = comparison["llama_cpp"]
+            print(f"plain llama.cpp (llama-cpp-python's own loop, its default settings, same file): {rate:.2f} "
+                  f"tokens/s -> speed-up {ours / rate:.2f}x (build upstream llama-server with `make llama-server` "
+                  "to compare with it instead)")
         for role, plan in gen.kernel_plans().items():
             print(f"kernel plan ({role}, passes of 1-16 tokens): {plan}")
     return 0
 
 
-def _llama_server(gen, args) -> tuple[float, str] | None:
-    """(tokens/s, its settings in words) of upstream llama-server on the target's file, where `make llama-server` has
-    built it (llama.cpp runtime, greedy, no stop strings); else None, and the comparison falls back to
-    llama-cpp-python's loop."""
+COMPARE_ROUNDS = 3  # --compare runs each configuration this many times, in turn, and reports the medians
+
+
+def _compare(gen, args, settings: dict, out) -> dict:
+    """specdec, target-only and upstream llama-server (else llama-cpp-python's own loop, where llama-server is not
+    built or cannot run the request) on the same prompt, then COMPARE_ROUNDS times each in turn so that a machine whose
+    speed drifts weighs on all alike -> {rounds, specdec, target_only, identical, llama_server and
+    llama_server_settings or llama_cpp}: tokens/s medians, prefill included. Each round of specdec and of target-only
+    runs as a tenant of its own (generate's tenant): its suffix lookup cannot draft an earlier round's answer, and its
+    prompt is prefilled whole, as a new prompt is (the command keeps no prompt cache; llama-server is asked not to
+    reuse its slot's)."""
+    from statistics import median
+
+    from specdec.generator import SpeculativeGenerator
+
+    plain = SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer, runtime=gen.runtime,
+                                 prompt_cache=gen.prompt_cache or 0)
+    for warm in (gen, plain):  # the first pass over freshly loaded weights is slower
+        warm.generate(args.prompt, **{**settings, "max_new_tokens": min(2, args.max_new_tokens)})
+    rates = {"specdec": [], "target_only": []}
+    identical = True
+    with contextlib.ExitStack() as stack:
+        peer = _llama_server(gen, args, stack)
+        key = "llama_server"
+        if peer is None:
+            peer, key = _plain_llama_cpp(gen, args, stack), "llama_cpp"
+        if peer is not None:
+            measure, how = peer
+            rates[key] = []
+        for round_ in range(COMPARE_ROUNDS):
+            ours = gen.generate(args.prompt, **settings, tenant=f"compare {round_}")
+            baseline = plain.generate(args.prompt, **settings, tenant=f"compare {round_}")
+            identical &= baseline.token_ids == out.token_ids == ours.token_ids
+            rates["specdec"].append(ours.stats.tokens_per_s)
+            rates["target_only"].append(baseline.stats.tokens_per_s)
+            if peer is not None:
+                rates[key].append(measure())
+    comparison = {"rounds": COMPARE_ROUNDS, "identical": identical, **{name: median(r) for name, r in rates.items()}}
+    if peer is not None and key == "llama_server":
+        comparison["llama_server_settings"] = how
+    return comparison
+
+
+def _llama_server(gen, args, stack: contextlib.ExitStack):
+    """(measure() -> tokens/s, its settings in words) of upstream llama-server on the target's file, up until the
+    stack closes, where `make llama-server` has built it (llama.cpp runtime, greedy, no stop strings); else None,
+    and the comparison falls back to llama-cpp-python's loop."""
     import tempfile
 
-    from specdec.bench.servers import default_llama_server, llama_server_rate
+    from specdec.bench.servers import default_llama_server, llama_server_session
 
     if gen.runtime is not LLAMA_CPP or args.temperature > 0 or args.stop:
         return None
@@ -102,13 +132,14 @@ def _llama_server(gen, args) -> tuple[float, str] | None:
         return None
     if not binary.is_file():
         return None
-    with tempfile.TemporaryDirectory() as scratch:
-        return llama_server_rate(binary, str(gen.target.path), gen.target.threads, args.prompt, args.max_new_tokens,
-                                 args.chat, Path(scratch) / "llama-server.log")
+    scratch = stack.enter_context(tempfile.TemporaryDirectory())
+    return stack.enter_context(llama_server_session(binary, str(gen.target.path), gen.target.threads, args.prompt,
+                                                    args.max_new_tokens, args.chat, Path(scratch) / "llama-server.log"))
 
 
-def _plain_llama_cpp(gen, args, settings: dict) -> float | None:
-    """Tokens/s of llama.cpp's own greedy loop on the target's file (llama.cpp runtime, greedy only), warmed up."""
+def _plain_llama_cpp(gen, args, stack: contextlib.ExitStack):
+    """(measure() -> tokens/s, None) of llama.cpp's own greedy loop on the target's file (llama.cpp runtime, greedy
+    only), loaded and warmed up until the stack closes; else None."""
     import time
 
     from specdec.runtimes.llamacpp.peer import LlamaCppPythonPeer, plain_settings
@@ -117,13 +148,15 @@ def _plain_llama_cpp(gen, args, settings: dict) -> float | None:
         return None
     prompt = gen.encode(args.prompt, args.chat)
     peer = LlamaCppPythonPeer(str(gen.target.path), plain_settings(gen.target))
-    try:
-        peer.generate(prompt, min(2, args.max_new_tokens), gen.eos_ids)  # loads the model: untimed
+    stack.callback(peer.close)
+    peer.generate(prompt, min(2, args.max_new_tokens), gen.eos_ids)  # loads the model: untimed
+
+    def measure() -> float:
         started = time.perf_counter()
         tokens = peer.generate(prompt, args.max_new_tokens, gen.eos_ids)
         return len(tokens) / (time.perf_counter() - started)
-    finally:
-        peer.close()
+
+    return measure, None
 
 
 # name -> function that adds the subcommand's parser (and sets its handler as `func`)

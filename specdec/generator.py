@@ -14,7 +14,7 @@ from specdec.adaptive import make_k_policy
 from specdec.batching import Batch
 from specdec.batching import Generation
 from specdec.drafters import CrossVocabDrafter, Drafter, ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
-from specdec.drafters.choice import ChoosingDrafter, Costs
+from specdec.drafters.choice import ChoosingDrafter, Costs, ServedPassCosts
 from specdec.vocabulary import own_vocab_size
 from specdec.output import Chunk, GenerationResult
 from specdec.prompt_cache import DEFAULT_BUDGET_MB, PromptCache
@@ -79,7 +79,7 @@ class SpeculativeGenerator:
             # lookup (free), the draft model, or nothing.
             # A token the draft model takes in while catching up costs what one does in its calibrated 16-token pass.
             c = self.draft_costs.step_s / self.target_costs.step_s
-            costs = Costs(self.target_costs.verify_cost, c, c * self.draft_costs.verify_cost(16) / 16)
+            costs = Costs(ServedPassCosts(self.target_costs.verify_cost), c, c * self.draft_costs.verify_cost(16) / 16)
             self.drafter = ChoosingDrafter(SuffixDrafter(), self.drafter, costs)
         self._tenants_drafters: dict[str, Drafter] = {}  # tenant -> the drafter whose history its requests share
         # The prompt cache its requests prefill through, where the runtime caches prompts (None: every prompt is
@@ -209,9 +209,11 @@ class SpeculativeGenerator:
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
-               chat: bool = False, k: int | str | None = None) -> Iterator[Chunk]:
-        """Yield chunks of new text as soon as each cycle commits them; the last chunk carries the stats."""
-        yield from self.decode(self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k))
+               chat: bool = False, k: int | str | None = None, tenant: str | None = None) -> Iterator[Chunk]:
+        """Yield chunks of new text as soon as each cycle commits them; the last chunk carries the stats. tenant:
+        whose earlier requests it may draw on (Request.tenant)."""
+        yield from self.decode(self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k,
+                                            tenant=tenant))
 
     def decode(self, request: Request) -> Iterator[Chunk]:
         """One request's chunks as each cycle commits them, decoded in a batch of one."""
@@ -237,9 +239,11 @@ class SpeculativeGenerator:
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
-                 chat: bool = False, k: int | str | None = None) -> GenerationResult:
-        """Generate up to max_new_tokens after the prompt (text or token ids). temperature 0 is greedy."""
-        request = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k)
+                 chat: bool = False, k: int | str | None = None, tenant: str | None = None) -> GenerationResult:
+        """Generate up to max_new_tokens after the prompt (text or token ids). temperature 0 is greedy. tenant: whose
+        earlier requests it may draw on, its cached prompts and the suffix lookup's history (Request.tenant; None:
+        those of every other request without a tenant)."""
+        request = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k, tenant=tenant)
         for sequence, _ in self._decode_alone(request):
             pass
         return sequence.output.result()

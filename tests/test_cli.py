@@ -51,7 +51,33 @@ def test_text_output_has_a_summary_and_the_compare_line(model_dirs, capsys, trus
                        "--max-new-tokens", "16", "--temperature", "0.8", "--seed", "3", "--compare")
     assert code == 0
     assert "tokens/s" in out and "acceptance rate" in out and "mean accepted length" in out
-    assert "speed-up" in out
+    assert "speed-up" in out and "each run 3 times in turn (medians)" in out
+
+
+def test_compare_runs_each_configuration_in_turn_and_reports_medians(model_dirs, capsys, monkeypatch):
+    """--compare times specdec and target-only COMPARE_ROUNDS times each, alternating, and reports each one's median
+    (a machine whose speed drifts weighs on both alike), each round as a tenant of its own; --json carries the same
+    figures."""
+    from specdec import cli
+    from specdec.generator import SpeculativeGenerator
+
+    order, real = [], SpeculativeGenerator.generate
+
+    def generate(self, prompt, **settings):
+        result = real(self, prompt, **settings)
+        if settings.get("max_new_tokens", 0) > 2:  # (not the warm-ups)
+            order.append(("target-only" if self.drafter.name == "none" else "specdec", settings.get("tenant")))
+        return result
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", generate)
+    code, out, _ = run(capsys, "generate", "--target", str(model_dirs[0]), "--draft", "ngram", "--prompt", "ab ab",
+                       "--max-new-tokens", "8", "--compare", "--json")
+    compared = json.loads(out)["compared"]
+    assert code == 0 and compared["rounds"] == cli.COMPARE_ROUNDS == 3 and compared["identical"]
+    # each round a tenant of its own: its lookup cannot draft an earlier round's answer
+    assert order == [("specdec", None)] + [(name, f"compare {i}") for i in range(cli.COMPARE_ROUNDS)
+                                           for name in ("specdec", "target-only")]
+    assert compared["specdec"] > 0 and compared["target_only"] > 0
 
 
 def test_a_float32_target_that_verifies_one_token_at_a_time_says_so(model_dirs, capsys):

@@ -334,6 +334,38 @@ def test_choosing_drafter_judges_a_lookup_by_its_match():
     assert choice.SPLIT_PRIOR < 0.35 < min(choice.MATCH_BANDS.values())
 
 
+def test_the_choice_learns_what_wider_passes_cost_from_the_passes_it_is_served():
+    """Calibrated at 1.2 one-token passes for two tokens, a lookup accepted 60% of the time (its prior) is worth
+    verifying; once the served passes show that two tokens cost 2.0, it is not (the estimate moves from the calibration toward what
+    the passes took, relative to the one-token passes around them). Forks share what they learn; a seeded sample's
+    fork (by_calibration_alone) judges by the calibration alone. Negative control: with the calibrated costs alone it keeps drafting."""
+    from specdec.drafters.choice import ServedPassCosts
+
+    def calibrated(width: int) -> float:
+        return 1.0 + 0.2 * (width - 1)
+
+    context, generator = torch.tensor([[5, 6, 7, 8]]), make_generator(0)
+
+    def drafted(drafter) -> int:
+        drafter.lookup.tokens, drafter.lookup.last_match, drafter.lookup.last_agreement = [9], 2, 1.0
+        drafter.acceptance[("lookup", 2, True)].successes = drafter.acceptance[("lookup", 2, True)].trials = 0.0
+        return drafter.propose(context, 1, GREEDY, generator).tokens.shape[1]
+
+    served = ServedPassCosts(calibrated)
+    parent = ChoosingDrafter(MatchingLookup(), None, Costs(served, 0.5))
+    learning, seeded = parent.fork(), parent.fork(shared_history=False)
+    seeded.by_calibration_alone = True  # (as a batch sets it for a seeded sample)
+    seeded.lookup = learning.lookup = MatchingLookup()
+    fixed = ChoosingDrafter(MatchingLookup(), None, Costs(calibrated, 0.5))
+    assert served(2) == pytest.approx(1.2) and drafted(learning) == 1 and drafted(fixed) == 1
+    for _ in range(40):  # the passes served: one-token ones at 30 ms, two-token ones at 60 ms
+        learning.observe_pass(1, 0.030)
+        learning.observe_pass(2, 0.060)
+    assert served(2) > 1.7 and served(1) == 1.0
+    assert drafted(learning) == 0 and drafted(parent.fork()) == 0  # forks share what the passes taught
+    assert drafted(seeded) == 1 and drafted(fixed) == 1  # the seeded fork and the control judge by the calibration
+
+
 def test_a_suffix_drafter_says_how_far_its_matched_occurrences_agreed():
     """last_agreement is the share of the matched occurrences that went on with the first draft token: 1.0 where
     every occurrence did, less where they split (the chooser judges such a lookup by an estimate of its own)."""

@@ -20,6 +20,7 @@ Figures (summarise() derives them from the records alone):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -260,18 +261,18 @@ def schedule(prompts: list[dict], servers: list[str], rounds: int) -> list[tuple
 
 
 def ask(client, model: str, prompt: str | list[dict], max_tokens: int, token_ids: bool,
-        arrivals: list[float] | None = None) -> dict:
+        arrivals: list[float] | None = None, extra_body: dict | None = None) -> dict:
     """One greedy chat completion of a user message (or of chat messages), streamed -> the measured record: wall time
     from sending to the whole answer (prefill included), time to the first token, the decode rate after it (the
     tokens after the first over the time after it), which is what per-token overhead shows in, and the prompt tokens
     the server took from its prompt cache, where it says. arrivals: gains the time.perf_counter() of each chunk of
-    text as it comes (another thread may watch it grow)."""
+    text as it comes (another thread may watch it grow). extra_body: more fields of the request body."""
     started = time.perf_counter()
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True},
-        extra_body={"return_token_ids": True} if token_ids else None)
+        extra_body={**({"return_token_ids": True} if token_ids else {}), **(extra_body or {})} or None)
     texts, ids, first_s, finish, usage, stats = [], [], None, None, None, None
     for chunk in stream:
         extra = chunk.model_extra or {}
@@ -405,13 +406,14 @@ def _request(proc: ServerProcess, client, model: str, prompt: dict, max_tokens: 
         return {"error": f"{type(error).__name__}: {error}"}
 
 
-def llama_server_rate(binary: Path, gguf: str, threads: int, prompt: str, max_tokens: int, chat: bool,
-                      log: Path) -> tuple[float, str]:
-    """Tokens/s of upstream llama-server (plain, its defaults) on one greedy request, prefill included, after an
-    untimed warm-up: the baseline of `specdec generate --compare`. chat: a chat completion of the prompt as the
-    user's message (llama-server applies the GGUF's chat template, as specdec applies the tokenizer's); else a
-    completion of the prompt as it is. -> (tokens/s, its settings in words: "its defaults", or the fallback its
-    crash on this CPU called for)."""
+@contextlib.contextmanager
+def llama_server_session(binary: Path, gguf: str, threads: int, prompt: str, max_tokens: int, chat: bool, log: Path):
+    """Upstream llama-server (plain, its defaults) up on the target's file, warmed up on the prompt: the baseline of
+    `specdec generate --compare`. Yields (measure, its settings in words: "its defaults", or the fallback its crash on
+    this CPU called for), where measure() -> tokens/s of one greedy request of the prompt, prefill included: the
+    whole prompt, as for a new one (`cache_prompt: false`: its slot does not reuse the warm-up's). chat: a chat
+    completion of the prompt as the user's message (llama-server applies the GGUF's chat template, as specdec
+    applies the tokenizer's); else a completion of the prompt as it is."""
     import openai
 
     setup = Setup(binary, gguf, gguf, threads)
@@ -421,14 +423,26 @@ def llama_server_rate(binary: Path, gguf: str, threads: int, prompt: str, max_to
         model = ((proc.get_json("/v1/models") or {}).get("data") or [{}])[0].get("id", "default")
         settings = "its defaults" if proc.fallback is None else (
             f"its defaults and {shlex.join(server.fallback)}: its defaults crash on this CPU")
-        if chat:
-            ask(client, model, prompt, min(2, max_tokens), token_ids=False)
-            record = ask(client, model, prompt, max_tokens, token_ids=False)
-            return record["tokens_per_s"], settings
-        client.completions.create(model=model, prompt=prompt, max_tokens=min(2, max_tokens), temperature=0)
-        started = time.perf_counter()
-        response = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
-        return response.usage.completion_tokens / (time.perf_counter() - started), settings
+
+        def measure(tokens: int = max_tokens) -> float:
+            cold = {"cache_prompt": False}
+            if chat:
+                return ask(client, model, prompt, tokens, token_ids=False, extra_body=cold)["tokens_per_s"]
+            started = time.perf_counter()
+            response = client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0,
+                                                 extra_body=cold)
+            return response.usage.completion_tokens / (time.perf_counter() - started)
+
+        measure(min(2, max_tokens))  # untimed warm-up
+        yield measure, settings
+
+
+def llama_server_rate(binary: Path, gguf: str, threads: int, prompt: str, max_tokens: int, chat: bool,
+                      log: Path) -> tuple[float, str]:
+    """Tokens/s of upstream llama-server on one greedy request of the prompt after a warm-up (llama_server_session)
+    -> (tokens/s, its settings in words)."""
+    with llama_server_session(binary, gguf, threads, prompt, max_tokens, chat, log) as (measure, settings):
+        return measure(), settings
 
 
 # ---- the figures

@@ -59,6 +59,9 @@ class Drafter:
     # Set by a batch before each cycle: other requests wait on this one's passes, so a drafter spreads long work (a
     # draft model reading a prompt) over cycles; alone, it does it at once.
     others_waiting = False
+    # Set by a batch for a seeded sample, which must repeat exactly: a drafter that weighs drafts by what passes cost
+    # uses the calibrated costs alone, never what the clock says (ServedPassCosts)
+    by_calibration_alone = False
 
     def begin(self, prompt_ids: torch.Tensor) -> None:
         """A new generation starts from prompt_ids [batch, n]."""
@@ -70,6 +73,10 @@ class Drafter:
 
     def accept(self, n_drafted: int, n_accepted: int) -> None:
         """The target accepted the first n_accepted of the n_drafted tokens of the last proposal."""
+
+    def observe_pass(self, width: int, seconds: float) -> None:
+        """The target pass that verified the last proposal held `width` tokens, of this sequence alone, and took
+        `seconds` (a drafter that weighs drafts against what passes cost may learn from it)."""
 
     def fork(self, pools: Pools | None = None, shared_history: bool = True) -> Drafter:
         """A drafter like this one for one request: the same settings and shared models, per-request state of its

@@ -1,11 +1,12 @@
 """Choosing, every cycle, how to speculate: suffix lookup, the draft model, or not at all, and how far.
 
-Each option's expected tokens per second of target time is estimated from the runtime's calibrated costs (a target
-pass over w tokens, a draft-model step, both in target steps) and from the acceptance each option has had so far in
-this request (Leviathan et al. 2023, eq. 1: a cycle of k draft tokens accepted with probability a each emits
-(1 - a^(k+1)) / (1 - a) tokens). Lookup costs nothing to try, so its proposal is made first and weighed as it is; the
-draft model's k is the best for its acceptance; plain decoding yields one token per one-token pass. The choice uses no
-clock, so a seeded sample repeats exactly.
+Each option's expected tokens per second of target time is estimated from the costs (a target pass over w tokens, a
+draft-model step, both in target steps: calibrated at load, the passes' then learned from the passes served,
+ServedPassCosts) and from the acceptance each option has had so far in this request (Leviathan et al. 2023, eq. 1: a
+cycle of k draft tokens accepted with probability a each emits (1 - a^(k+1)) / (1 - a) tokens). Lookup costs nothing
+to try, so its proposal is made first and weighed as it is; the draft model's k is the best for its acceptance; plain
+decoding yields one token per one-token pass. A seeded sample's choice uses no clock (the calibrated costs alone), so
+that it repeats exactly.
 
 A draft model must first take in what it has not read (the whole prompt the first time it drafts in a request). That
 cost is paid out of the regret, the target time lost so far to cycles where a caught-up model would have done better,
@@ -37,10 +38,40 @@ MATCH_BANDS = {1: 0.45, 2: 0.6, 4: 0.7, 8: 0.9}  # matched tokens (at least) -> 
 SPLIT_PRIOR = 0.2  # prior acceptance of a lookup whose matched occurrences went on in different ways, in any band
 
 
+class ServedPassCosts:
+    """What a target pass over w tokens costs, in one-token passes, as this process's own passes show it: the
+    calibration's figure at first (measured at load over a short context, and on a shared machine a busy moment moves
+    it: 1.27-1.41 for two tokens on one CPU within an hour), then the decayed mean of each width's passes over the
+    one-token passes around them, at the context lengths and batch of the requests served. A draft is verified only
+    where its expected tokens pay for the pass it widens, and there a ratio that is 0.1 too low makes drafts that
+    lose. Callable as Costs.verify; passes come in through observe() (batching.batch_cycle, passes of one sequence)."""
+
+    def __init__(self, calibrated: Callable[[int], float], prior_weight: float = 8.0, decay: float = 0.98):
+        self.calibrated, self.prior_weight, self.decay = calibrated, prior_weight, decay
+        self.one_token_s: float | None = None  # decayed mean seconds of the recent one-token passes
+        self._ratios: dict[int, list[float]] = {}  # width -> [decayed sum of time / one_token_s, decayed count]
+
+    def observe(self, width: int, seconds: float) -> None:
+        """A pass of one sequence over `width` tokens took `seconds`."""
+        if width == 1:
+            self.one_token_s = seconds if self.one_token_s is None else 0.8 * self.one_token_s + 0.2 * seconds
+        elif width > 1 and self.one_token_s is not None:
+            sums = self._ratios.setdefault(width, [0.0, 0.0])
+            sums[0] = self.decay * sums[0] + seconds / self.one_token_s
+            sums[1] = self.decay * sums[1] + 1.0
+
+    def __call__(self, width: int) -> float:
+        prior = self.calibrated(width)
+        sums = self._ratios.get(width)
+        if width <= 1 or sums is None:
+            return prior
+        return (sums[0] + self.prior_weight * prior) / (sums[1] + self.prior_weight)
+
+
 @dataclass(frozen=True)
 class Costs:
-    """Calibrated costs in units of one one-token target pass."""
-    verify: Callable[[int], float]  # a target pass over w tokens (draft tokens + 1)
+    """Costs in units of one one-token target pass."""
+    verify: Callable[[int], float]  # a target pass over w tokens (draft tokens + 1): calibrated, or ServedPassCosts
     draft_step: float  # one draft-model step
     # One token fed to the draft model within a longer pass, as when it catches up with the context (the whole
     # prompt the first time it drafts in a request); None: a step per token, the cautious guess.
@@ -79,6 +110,8 @@ class ChoosingDrafter(Drafter):
 
     def propose(self, context, k, sampling, generator) -> Proposal:
         verify = self.costs.verify
+        if self.by_calibration_alone and isinstance(verify, ServedPassCosts):
+            verify = verify.calibrated
         # name -> (expected tokens per target step, draft tokens, expected tokens of the cycle)
         options = {"none": (1.0 / verify(1), 0, 1.0)}
         proposal = self.lookup.propose(context, k, sampling, generator) if k > 0 else Proposal.empty()
@@ -128,9 +161,14 @@ class ChoosingDrafter(Drafter):
         return proposal
 
     def fork(self, pools=None, shared_history=True) -> ChoosingDrafter:
+        """A fork shares the costs that served passes teach (ServedPassCosts)."""
         model = self.model_drafter.fork(pools, shared_history) if self.model_drafter is not None else None
         acceptance, weight, decay = self.prior
         return ChoosingDrafter(self.lookup.fork(pools, shared_history), model, self.costs, acceptance, weight, decay)
+
+    def observe_pass(self, width: int, seconds: float) -> None:
+        if isinstance(self.costs.verify, ServedPassCosts):
+            self.costs.verify.observe(width, seconds)
 
     def close(self) -> None:
         self.lookup.close()
