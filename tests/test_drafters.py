@@ -336,9 +336,10 @@ def test_choosing_drafter_judges_a_lookup_by_its_match():
 
 def test_the_choice_learns_what_wider_passes_cost_from_the_passes_it_is_served():
     """Calibrated at 1.2 one-token passes for two tokens, a lookup accepted 60% of the time (its prior) is worth
-    verifying; once the served passes show that two tokens cost 2.0, it is not (the estimate moves from the calibration toward what
-    the passes took, relative to the one-token passes around them). Forks share what they learn; a seeded sample's
-    fork (by_calibration_alone) judges by the calibration alone. Negative control: with the calibrated costs alone it keeps drafting."""
+    verifying; once the served passes show that two tokens cost 2.0, it is not (the estimate moves from the
+    calibration toward what the passes took, relative to the one-token passes around them). Forks share what they
+    learn; a seeded sample's fork (by_calibration_alone) judges by the calibration alone. Negative control: with the
+    calibrated costs alone it keeps drafting."""
     from specdec.drafters.choice import ServedPassCosts
 
     def calibrated(width: int) -> float:

@@ -94,7 +94,8 @@ def test_sixteen_clients_with_faults_leave_the_server_up_exact_and_idle(monkeypa
     try:
         with serve(create_app(generator, MODEL, max_batch=4, max_queue=64, request_timeout=TIMEOUT_S)) as base:
             before = rss_bytes()
-            clients = [threading.Thread(target=one_client, args=(base, i, stop, outcomes, lock)) for i in range(CLIENTS)]
+            clients = [threading.Thread(target=one_client, args=(base, i, stop, outcomes, lock))
+                       for i in range(CLIENTS)]
             for client in clients:
                 client.start()
             time.sleep(1.0)
