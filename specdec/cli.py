@@ -45,8 +45,18 @@ def run_generate(args) -> int:
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
                   "stats": out.stats.to_dict(), "cross_vocabulary": gen.cross_vocabulary,
                   "kernel_plans": gen.kernel_plans()}
-        if comparison is not None:
-            record["compared"] = comparison
+        if comparison is not None:  # medians of the rounds, and each speed-up as the ratio of the medians
+            ours = comparison["specdec"]
+            record["compared"] = {"rounds": comparison["rounds"], "tokens_per_s": ours}
+            record["baseline"] = {"tokens_per_s": comparison["target_only"], "identical": comparison["identical"],
+                                  "speedup": ours / comparison["target_only"]}
+            if "llama_server" in comparison:
+                record["llama_server"] = {"tokens_per_s": comparison["llama_server"],
+                                          "speedup": ours / comparison["llama_server"],
+                                          "settings": comparison["llama_server_settings"]}
+            if "llama_cpp" in comparison:
+                record["llama_cpp"] = {"tokens_per_s": comparison["llama_cpp"],
+                                       "speedup": ours / comparison["llama_cpp"]}
         print(json.dumps(record))
         return 0
     from specdec.display import print_marked, summary_line

@@ -40,8 +40,8 @@ SPLIT_PRIOR = 0.2  # prior acceptance of a lookup whose matched occurrences went
 
 class ServedPassCosts:
     """What a target pass over w tokens costs, in one-token passes, as this process's own passes show it: the
-    calibration's figure at first (measured at load over a short context, and on a shared machine a busy moment moves
-    it: 1.27-1.41 for two tokens on one CPU within an hour), then the decayed mean of each width's passes over the
+    calibration's figure at first (measured once at load over a short context, where on a shared machine a busy
+    moment moves it), then the decayed mean of each width's passes over the
     one-token passes around them, at the context lengths and batch of the requests served. A draft is verified only
     where its expected tokens pay for the pass it widens, and there a ratio that is 0.1 too low makes drafts that
     lose. Callable as Costs.verify; passes come in through observe() (batching.batch_cycle, passes of one sequence)."""
