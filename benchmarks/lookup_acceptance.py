@@ -16,13 +16,13 @@ import argparse
 import itertools
 import json
 import os
-import platform
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 
 from specdec import SpeculativeGenerator
+from specdec.bench.runner import machine_info, versions
 from specdec.bench.workloads import load_asdiv, load_humaneval, load_xsum
 from specdec.drafters.choice import MATCH_BANDS
 from specdec.drafters.suffix import SEPARATOR, SuffixDrafter, suffix_draft
@@ -31,9 +31,8 @@ WORKLOADS = (("code", load_humaneval, 8, 400), ("maths", load_asdiv, 12, 400), (
 SKIP = 20  # the benchmarks take their prompts from the start of each file
 
 
-def answers(target: str, max_new_tokens: int) -> list[dict]:
+def answers(generator: SpeculativeGenerator, max_new_tokens: int) -> list[dict]:
     """Greedy target-only answers to the workloads' prompts -> [{kind, source, prompt_ids, token_ids}]."""
-    generator = SpeculativeGenerator(target, draft=None)
     found = []
     for kind, load, count, max_prompt in WORKLOADS:
         taken = 0
@@ -92,15 +91,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("lookup-acceptance"))
     args = parser.parse_args()
-    found = answers(args.target, args.max_tokens)
+    generator = SpeculativeGenerator(args.target, draft=None)
+    found = answers(generator, args.max_tokens)
     lookups = replay(found)
     args.out.mkdir(parents=True, exist_ok=True)
     results = {"command": f"benchmarks/lookup_acceptance.py --out {args.out}", "target": args.target,
-               "python": platform.python_version(), "answers": found, "lookups": lookups}
+               "machine": machine_info(), "versions": versions(), "kernel_plans": generator.kernel_plans(),
+               "answers": found, "lookups": lookups}
     for name, text in (("results.json", json.dumps(results)),
                        ("report.md", "\n".join([
                            "# Suffix lookups accepted by the target", "",
                            f"Command: `.venv/bin/python {results['command']}`  ",
+                           f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores  ",
                            f"{len(found)} greedy answers of `{args.target}` (at most {args.max_tokens} tokens) to "
                            f"prompts of the packaged workloads from the {SKIP + 1}st of each file on; a lookup after "
                            f"every answer token, {len(lookups)} of which drafted.", "", *table(lookups), ""]))):

@@ -34,17 +34,19 @@ from specdec.drafters.base import Drafter, Proposal
 # continuation), after 18-34% in every band. So the choice keeps one acceptance estimate per band of match lengths
 # (lower bounds here) and agreement, each starting from its own prior: a split lookup is rarely worth a wider pass,
 # and a one-token match does not borrow the credit that long ones earn.
-MATCH_BANDS = {1: 0.45, 2: 0.6, 4: 0.7, 8: 0.9}  # matched tokens (at least) -> prior acceptance per draft token
+# matched tokens (at least) -> prior acceptance per draft token where the occurrences agreed (the measured rates,
+# rounded down)
+MATCH_BANDS = {1: 0.45, 2: 0.6, 4: 0.7, 8: 0.9}
 SPLIT_PRIOR = 0.2  # prior acceptance of a lookup whose matched occurrences went on in different ways, in any band
 
 
 class ServedPassCosts:
     """What a target pass over w tokens costs, in one-token passes, as this process's own passes show it: the
     calibration's figure at first (measured once at load over a short context, where on a shared machine a busy
-    moment moves it), then the decayed mean of each width's passes over the
-    one-token passes around them, at the context lengths and batch of the requests served. A draft is verified only
-    where its expected tokens pay for the pass it widens, and there a ratio that is 0.1 too low makes drafts that
-    lose. Callable as Costs.verify; passes come in through observe() (batching.batch_cycle, passes of one sequence)."""
+    moment moves it), then the decayed mean of each width's passes over the one-token passes around them, at the
+    context lengths of the requests served. A draft is verified only where its expected tokens pay for the pass it
+    widens, so a ratio set too low makes drafts that lose. Callable as Costs.verify; passes come in through observe()
+    (batching.batch_cycle, passes of one sequence)."""
 
     def __init__(self, calibrated: Callable[[int], float], prior_weight: float = 8.0, decay: float = 0.98):
         self.calibrated, self.prior_weight, self.decay = calibrated, prior_weight, decay

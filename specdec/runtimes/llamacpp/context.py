@@ -167,8 +167,8 @@ def prefill_bounds(tokens: list[int], marks: frozenset[int], answer_start: tuple
 def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, int, int, bool]]) -> np.ndarray:
     """One llama_decode of model's over entries (sequence id, position, token, whether its logits are wanted), under
     the model's kernel plan -> the wanted rows [wanted, n_vocab], in order (copied once out of llama.cpp's buffer,
-    which its next pass overwrites). If it fails, every sequence in it is cut back to where its
-    tokens start (the cache may hold part of the batch), so that its runner stays consistent."""
+    which its next pass overwrites). If it fails, every sequence in it is cut back to where its tokens start (the
+    cache may hold part of the batch), so that its runner stays consistent."""
     plan = model.kernel_plan  # (its first use calibrates it, with passes of its own: before taking the lock)
     lib, batch, n_vocab = context.lib, context.batch, model.n_vocab
     for i, (seq, position, token, want) in enumerate(entries):
