@@ -21,6 +21,7 @@ from specdec.server import create_app
 from conftest import char_tokenizer, close_draft, serve, tiny_model
 
 MODEL = "tiny-qwen2"
+STATS = {"return_speculation_stats": True}  # the answer carries its speculation stats (`specdec`): only when asked
 KEY = "sekrit"
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
@@ -84,7 +85,7 @@ def fail_once(monkeypatch, owner, name: str, error: BaseException, when) -> None
 
 def test_greedy_completion_equals_generate(client, generator):
     for prompt in ["def f(x):", "hello world"]:
-        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0)
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, extra_body=STATS)
         ref = generator.generate(prompt, max_new_tokens=30)
         assert out.choices[0].text == ref.text
         assert out.choices[0].finish_reason == ref.finish_reason
@@ -121,7 +122,7 @@ def test_prompt_as_token_ids(client, generator):
 
 def test_greedy_chat_equals_generate_with_chat(client, generator):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
-                                         max_tokens=25, temperature=0)
+                                         max_tokens=25, temperature=0, extra_body=STATS)
     ref = generator.generate("hello", chat=True, max_new_tokens=25)  # what `specdec generate --chat` prints
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.text
@@ -141,7 +142,7 @@ def test_chat_applies_the_template_to_every_message(client, generator):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_stream_equals_non_stream_for_the_same_seed(client, chat):
-    settings = dict(model=MODEL, max_tokens=40, temperature=0.9, top_p=0.95, seed=7)
+    settings = dict(model=MODEL, max_tokens=40, temperature=0.9, top_p=0.95, seed=7, extra_body=STATS)
     if chat:
         create, settings["messages"] = client.chat.completions.create, [{"role": "user", "content": "tell me"}]
     else:
@@ -162,6 +163,25 @@ def test_stream_equals_non_stream_for_the_same_seed(client, chat):
     assert with_usage[-1].choices == [] and with_usage[-1].usage.model_dump() == whole.usage.model_dump()
     assert with_usage[-1].model_extra["specdec"]["new_tokens"] == whole.usage.completion_tokens
     assert "specdec" not in (with_usage[-2].model_extra or {})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_speculation_stats_are_sent_only_when_asked_for(client, stream):
+    """How much of an answer was drafted says something of the text other requests left in the drafters' history:
+    the stats go only to a request that asks (`return_speculation_stats`), whole or streamed, with usage or not."""
+    settings = dict(model=MODEL, prompt="abcabcabc", max_tokens=12, temperature=0)
+    for options in ({}, {"stream_options": {"include_usage": True}}):
+        replies = {}
+        for asked in (False, True):
+            extra = {"extra_body": STATS} if asked else {}
+            out = client.completions.create(**settings, **extra, **(options if stream else {}), stream=stream)
+            replies[asked] = list(out) if stream else [out]
+        assert not any("specdec" in (reply.model_extra or {}) for reply in replies[False])
+        carrying = [reply for reply in replies[True] if "specdec" in (reply.model_extra or {})]
+        assert len(carrying) == 1 and carrying[0] is replies[True][-1]
+        usage = replies[True][-1].usage
+        assert {"drafted_tokens", "accepted_tokens"} <= set(carrying[0].model_extra["specdec"])
+        assert usage is None or carrying[0].model_extra["specdec"]["new_tokens"] == usage.completion_tokens
 
 
 def test_stream_ends_with_done(url):
@@ -382,7 +402,7 @@ def test_metrics_parse_and_move(url, client):
     chat = dict(endpoint="/v1/chat/completions")
     before = scrape(url)
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}], max_tokens=20,
-                                         temperature=0)
+                                         temperature=0, extra_body=STATS)
     assert httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": ""}).status_code == 400
     after = scrape(url)
     stats = out.model_extra["specdec"]
@@ -424,7 +444,7 @@ def test_each_keys_requests_draft_only_from_that_keys_earlier_text_unless_shared
     not find it (its acceptance would tell B what A was answered). Negative control: shared across keys, B drafts it
     too. The answers are the target's either way."""
     target = tiny_model("qwen2", seed=0, vocab_size=60)
-    prompt, settings = "kqzjxwvu", dict(model=MODEL, max_tokens=24, temperature=0)
+    prompt, settings = "kqzjxwvu", dict(model=MODEL, max_tokens=24, temperature=0, extra_body=STATS)
     accepted = {}
     for shared in (False, True):
         gen = SpeculativeGenerator(target, "suffix", k=3, tokenizer=char_tokenizer())
@@ -832,7 +852,7 @@ def test_max_tokens_zero_answers_with_usage_and_runs_no_target_pass(client, gene
     create = client.chat.completions.create if chat else client.completions.create
     prompt = {"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "hello"}
     with forward_hook(generator.target, lambda *args: calls.append(1)):
-        out = create(model=MODEL, max_tokens=0, temperature=0, **prompt)
+        out = create(model=MODEL, max_tokens=0, temperature=0, extra_body=STATS, **prompt)
     text = out.choices[0].message.content if chat else out.choices[0].text
     assert text == "" and out.choices[0].finish_reason == "length"
     n_prompt = len(generator.encode("hello", chat=chat))
@@ -938,7 +958,7 @@ def test_suffix_lookup_in_the_server_drafts_from_earlier_requests_and_a_seeded_s
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=30)
 
         def stats(**settings):
-            reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, **settings)
+            reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, extra_body=STATS, **settings)
             return reply.choices[0].text, reply.model_extra["specdec"]
 
         first_text, first = stats(temperature=0)

@@ -260,19 +260,24 @@ def schedule(prompts: list[dict], servers: list[str], rounds: int) -> list[tuple
     return turns
 
 
+# What a specdec server is asked for beside the answer (token_ids): each choice's token ids and the speculation stats.
+SPECDEC_FIELDS = {"return_token_ids": True, "return_speculation_stats": True}
+
+
 def ask(client, model: str, prompt: str | list[dict], max_tokens: int, token_ids: bool,
         arrivals: list[float] | None = None, extra_body: dict | None = None) -> dict:
     """One greedy chat completion of a user message (or of chat messages), streamed -> the measured record: wall time
     from sending to the whole answer (prefill included), time to the first token, the decode rate after it (the
     tokens after the first over the time after it), which is what per-token overhead shows in, and the prompt tokens
     the server took from its prompt cache, where it says. arrivals: gains the time.perf_counter() of each chunk of
-    text as it comes (another thread may watch it grow). extra_body: more fields of the request body."""
+    text as it comes (another thread may watch it grow). extra_body: more fields of the request body. token_ids (a
+specdec server): the answer's token ids and speculation stats are asked for too (SPECDEC_FIELDS)."""
     started = time.perf_counter()
     messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     stream = client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0,
         stream=True, stream_options={"include_usage": True},
-        extra_body={**({"return_token_ids": True} if token_ids else {}), **(extra_body or {})} or None)
+        extra_body={**(SPECDEC_FIELDS if token_ids else {}), **(extra_body or {})} or None)
     texts, ids, first_s, finish, usage, stats = [], [], None, None, None, None
     for chunk in stream:
         extra = chunk.model_extra or {}

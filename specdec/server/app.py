@@ -91,7 +91,8 @@ class Service:
         once its first chunk has come (until then an error can still be answered with its status)."""
         endpoint = request.url.path
         n_prompt = len(generation.prompt_ids)
-        reply = Reply(chat, self.model_name, n_prompt, bool(body.return_token_ids))
+        reply = Reply(chat, self.model_name, n_prompt, bool(body.return_token_ids),
+                      bool(body.return_speculation_stats))
         turn = Turn(self.scheduler, self.scheduler.submit(generation, started),
                     on_first=lambda: self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started),
                     on_last=lambda stats: self.metrics.observe_generation(n_prompt, stats))

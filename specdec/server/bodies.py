@@ -33,6 +33,7 @@ class Body(BaseModel):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None  # not OpenAI's: as vLLM, each choice also carries its "token_ids"
+    return_speculation_stats: bool | None = None  # not OpenAI's: the answer carries its speculation stats, `specdec`
 
     def unsupported(self) -> str | None:
         """The first OpenAI option this body turns on that the server does not implement, if any."""

@@ -1,9 +1,11 @@
 """Response bodies in OpenAI's shapes (a whole completion, a stream's chunks, its usage chunk), and the server-sent
 events of a streamed request, which free the model however the stream ends.
 
-Responses carry OpenAI's fields plus `specdec`: the request's speculation stats (SpecStats.to_dict(): drafted and
-accepted tokens, acceptance rate, mean accepted length, ...). A stream carries them on its last chunk before
-`data: [DONE]`, which is the usage chunk (`choices: []`) when `stream_options.include_usage` asks for one.
+Responses carry OpenAI's fields, and `specdec` where the request asks for it (`"return_speculation_stats": true`):
+the request's speculation stats (SpecStats.to_dict(): drafted and accepted tokens, acceptance rate, mean accepted
+length, ...). A stream carries them on its last chunk before `data: [DONE]`, which is the usage chunk
+(`choices: []`) when `stream_options.include_usage` asks for one. They are never sent unasked: how much of an answer
+was drafted, and from where, says something of the text that other requests left in the drafters' history.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class Reply:
     model: str
     prompt_tokens: int
     with_token_ids: bool = False  # each choice carries the ids of its tokens (return_token_ids)
+    with_stats: bool = False  # the last chunk, or the whole answer, carries `specdec` (return_speculation_stats)
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -58,9 +61,13 @@ class Reply:
         if self.with_token_ids:
             choice["token_ids"] = token_ids
         return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
-                              usage=self.usage(last.stats), specdec=last.stats.to_dict())
+                              usage=self.usage(last.stats), **self._stats(last.stats))
 
-    def piece(self, chunk: Chunk, first: bool, with_stats: bool) -> dict:
+    def _stats(self, stats: SpecStats) -> dict:
+        return {"specdec": stats.to_dict()} if self.with_stats else {}
+
+    def piece(self, chunk: Chunk, first: bool, last: bool) -> dict:
+        """A stream's chunk; the last one of text carries the stats, where asked for and no usage chunk follows."""
         if self.chat:
             delta = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": chunk.finish_reason}
@@ -68,12 +75,12 @@ class Reply:
             choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
         if self.with_token_ids:
             choice["token_ids"] = chunk.token_ids
-        extra = {"specdec": chunk.stats.to_dict()} if with_stats else {}
+        extra = self._stats(chunk.stats) if last else {}
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice], **extra)
 
     def usage_piece(self, stats: SpecStats) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [],
-                              usage=self.usage(stats), specdec=stats.to_dict())
+                              usage=self.usage(stats), **self._stats(stats))
 
 
 def event(data: dict) -> str:
@@ -88,7 +95,7 @@ async def events(turn: Turn, first: Chunk, reply: Reply, include_usage: bool) ->
     try:
         while chunk is not None:
             last = chunk.finish_reason is not None
-            yield event(reply.piece(chunk, is_first, with_stats=last and not include_usage))
+            yield event(reply.piece(chunk, is_first, last=last and not include_usage))
             if last:
                 if include_usage:
                     yield event(reply.usage_piece(chunk.stats))
