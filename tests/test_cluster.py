@@ -29,6 +29,7 @@ from specdec.server.command import serve_arguments
 
 MODEL = "smollm2-135m-instruct"
 FLAGS = ["--target", MODEL, "--draft", "ngram", "--threads", "1"]
+CLUSTER_KEY = "cluster-key"  # the real cluster's API key, given as $SPECDEC_API_KEY (the single server has none)
 
 
 # ---- the parts on their own
@@ -51,6 +52,74 @@ def test_the_flags_say_what_to_pass_instead():
                        (("--replicas", "2", "--affinity-threshold", "-1"), ">= 0")]:
         with pytest.raises(ValueError, match=says):
             settings(*argv)
+
+
+def test_a_cluster_reachable_beyond_this_machine_needs_rays_token_authentication():
+    from specdec.cluster.command import AUTH_MODE, ray_environment
+
+    def environment(mode, *argv):
+        return ray_environment(serve_arguments(["--replicas", "2", *argv]), {AUTH_MODE: mode} if mode else {})
+
+    for mode, argv in [(None, ()), (None, ("--host", "0.0.0.0")), ("token", ("--host", "0.0.0.0"))]:
+        assert environment(mode, *argv)[AUTH_MODE] == "token"  # the cluster started here: token authentication
+    assert AUTH_MODE not in environment("disabled")  # on loopback the operator may turn it off
+    with pytest.raises(ValueError, match="unset RAY_AUTH_MODE"):
+        environment("disabled", "--host", "0.0.0.0")
+    for address in ("10.1.2.3:6379", "ray://head.example:10001", "auto"):  # auto: a local cluster on every interface
+        with pytest.raises(ValueError, match="RAY_AUTH_MODE=token"):
+            environment(None, "--ray-address", address)
+        assert AUTH_MODE not in environment("token", "--ray-address", address)  # set already: Ray reads it
+    for address in ("127.0.0.1:6379", "localhost:6379", "[::1]:6379"):
+        assert AUTH_MODE not in environment(None, "--ray-address", address)
+
+
+def test_the_keys_reach_the_cluster_as_digests_and_the_front_refuses_a_request_before_reading_its_body(tmp_path):
+    pytest.importorskip("ray.serve")
+    import pickle
+
+    from specdec.cluster import application
+    from specdec.cluster.deployment import front_app
+    from specdec.server.middleware import key_digest
+
+    keys = tmp_path / "keys"
+    keys.write_text("key-from-file\n")
+    flags = serve_arguments([*FLAGS, "--api-key", "key-on-argv", "--api-key-file", str(keys)])
+    front = application(flags, replicas=2)._bound_deployment
+    replica = front.init_args[0]._bound_deployment
+    arguments = pickle.dumps((front.init_args[1:], front.init_kwargs, replica.init_args, replica.init_kwargs))
+    assert b"key-on-argv" not in arguments and b"key-from-file" not in arguments and str(keys).encode() not in arguments
+    digests = [key_digest("key-on-argv"), key_digest("key-from-file")]
+    assert front.init_args[1] == digests and replica.init_args[1] == digests
+    assert replica.init_args[2] is False  # with keys, no metrics where Ray exports them to anyone...
+    asked = application(serve_arguments([*FLAGS, "--api-key", "k", "--ray-metrics-port", "9999"]), replicas=1)
+    assert asked._bound_deployment.init_args[0]._bound_deployment.init_args[2] is True  # ...unless asked for
+
+    forwarded, read = [], []
+    app = front_app(lambda request: forwarded.append(request) or _answer_ok(), digests)  # what Front serves
+
+    async def receive():
+        read.append(1)
+        return {"type": "http.request", "body": b'{"prompt": "hi"}', "more_body": False}
+
+    def post(headers):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(app({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers},
+                        receive, send))
+        return sent[0]["status"]
+
+    assert post([(b"authorization", b"Bearer wrong")]) == 401 and post([]) == 401
+    assert read == [] and forwarded == []  # refused from the headers: nothing of the body was read
+    assert post([(b"authorization", b"Bearer key-from-file")]) == 200
+    assert read == [1] and forwarded[0].body == b'{"prompt": "hi"}'
+
+
+async def _answer_ok():
+    yield {"type": "http.response.start", "status": 200, "headers": []}
+    yield {"type": "http.response.body", "body": b"{}", "more_body": False}
 
 
 def test_the_routing_text_is_the_prompt_or_the_messages_and_never_empty():
@@ -209,7 +278,7 @@ class Cluster:
         self.descendants |= set(psutil.Process(self.process.pid).children(recursive=True))
 
     def client(self, **options) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120, **options)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=CLUSTER_KEY, max_retries=0, timeout=120, **options)
 
 
 @pytest.fixture(scope="module")
@@ -224,7 +293,8 @@ def cluster(tmp_path_factory):
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *FLAGS, "--replicas", "2",
                                     "--port", str(port), "--ray-metrics-port", str(metrics_port)],
-                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env={**os.environ, "SPECDEC_API_KEY": CLUSTER_KEY})
     running = Cluster(process, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics", log)
     try:
         deadline = time.monotonic() + 600  # a first start on a new CPU calibrates the kernels
@@ -334,10 +404,24 @@ def test_bad_input_gets_the_answers_of_a_single_server(cluster, single):
         answers = []
         for url in (cluster.url, single):
             content = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-            reply = httpx.request(method, url + path, content=content, headers={"content-type": "application/json"})
+            reply = httpx.request(method, url + path, content=content, headers={
+                "content-type": "application/json", "authorization": f"Bearer {CLUSTER_KEY}"})
             answers.append((reply.status_code, reply.json()))
         assert 400 <= answers[1][0] < 500
         assert answers[0] == answers[1], (method, path)
+
+
+@pytest.mark.real_model  # SmolLM2 on a Ray cluster: not part of `make test-fast`
+def test_the_cluster_asks_for_the_key_and_runs_with_rays_token_authentication(cluster):
+    for key in (None, "wrong"):
+        reply = httpx.post(f"{cluster.url}/v1/completions", json={"model": MODEL, "prompt": "hi"},
+                           headers={"authorization": f"Bearer {key}"} if key else {})
+        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key"
+    cluster.note_processes()
+    daemons = [p for p in cluster.descendants if any(name in _name(p) for name in ("gcs_server", "raylet"))]
+    assert daemons, [_name(p) for p in cluster.descendants]
+    assert all(p.environ().get("RAY_AUTH_MODE") == "token" for p in daemons)
+    assert CLUSTER_KEY not in " ".join(_name(p) for p in cluster.descendants)
 
 
 def ray_gauge(cluster, name: str) -> dict[str, float]:

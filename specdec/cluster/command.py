@@ -17,6 +17,39 @@ from specdec.cluster.options import cluster_settings
 #   restarts it over and over.
 RAY_DEFAULTS = {"RAY_worker_niceness": "0", "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60",
                 "RAY_USAGE_STATS_ENABLED": "0"}
+AUTH_MODE = "RAY_AUTH_MODE"  # Ray's token authentication: "token" (Ray makes and keeps a token) or "disabled"
+
+
+def ray_environment(args, environ) -> dict[str, str]:
+    """What Ray's environment must hold for these flags (set where the environment does not say otherwise): the
+    defaults above and, for the cluster started here, token authentication. A Ray cluster accepts from anyone who
+    reaches its ports code to run as this user; so a cluster reachable beyond this machine (started here for a
+    --host other than loopback, or joined at --ray-address) must have token authentication on, or the server
+    refuses to start (ValueError, saying what to do)."""
+    from specdec.server.command import LOCAL_HOSTS
+
+    wanted, mode = dict(RAY_DEFAULTS), environ.get(AUTH_MODE, "").lower()
+    if args.ray_address is None:
+        if mode == "disabled" and args.host not in LOCAL_HOSTS:
+            raise ValueError(f"--host {args.host} with {AUTH_MODE}=disabled: the Ray cluster started for it would "
+                             f"take code to run from anyone who can reach this machine; unset {AUTH_MODE} (Ray's "
+                             "token authentication is then on) or serve on 127.0.0.1")
+        if mode != "disabled":
+            wanted[AUTH_MODE] = "token"
+    elif mode != "token" and _address_host(args.ray_address) not in LOCAL_HOSTS:
+        raise ValueError(f"--ray-address {args.ray_address}: a Ray cluster beyond this machine must use Ray's token "
+                         f"authentication: start every node of it with {AUTH_MODE}=token and the same token "
+                         "(`ray get-auth-token --generate`, then RAY_AUTH_TOKEN or ~/.ray/auth_token on each node), "
+                         f"and set {AUTH_MODE}=token here too")
+    return wanted
+
+
+def _address_host(address: str) -> str:
+    """The host of a Ray address: ray://HOST:PORT, HOST:PORT or `auto` (a cluster found on this machine, which
+    may still listen on every interface: treated as reachable)."""
+    rest = address.split("://", 1)[-1]
+    host = rest.rsplit(":", 1)[0] if rest.count(":") == 1 or rest.startswith("[") else rest
+    return host.strip("[]")
 
 
 def run_replicated(args) -> int:
@@ -33,8 +66,11 @@ def run_replicated(args) -> int:
     from specdec.cluster.deployment import APP_NAME, application
 
     warn_if_open(args)
-    for name, value in RAY_DEFAULTS.items():
+    for name, value in ray_environment(args, os.environ).items():
         os.environ.setdefault(name, value)
+    if (args.api_key or args.api_key_file) and args.ray_metrics_port is not None:
+        print(f"specdec: warning: the replicas' metrics at each node's port {args.ray_metrics_port} are served to "
+              "anyone who reaches it, without the API key", file=sys.stderr)
     if args.ray_address:
         ray.init(address=args.ray_address, logging_level="WARNING")
     else:

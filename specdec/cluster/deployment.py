@@ -1,17 +1,20 @@
 """The Ray Serve application: a front that relays HTTP requests and the replicas that answer them.
 
-  Front    the ingress (no CPU of its own): reads each request and hands it, through a Ray Serve handle, to a
-           replica chosen by Ray's PrefixCacheAffinityRouter: the replica that served the longest start of this
-           prompt (a conversation goes back to the replica whose prompt cache holds it), unless that one holds
-           `affinity_threshold` requests more than the least loaded; then the less loaded of two (power of two
-           choices). Answers stream back as the replica sends them (forwarding.Relay).
+  Front    the ingress (no CPU of its own): checks the API key from the headers before any of the body is read,
+           then reads each request and hands it, through a Ray Serve handle, to a replica chosen by Ray's
+           PrefixCacheAffinityRouter: the replica that served the longest start of this prompt (a conversation goes
+           back to the replica whose prompt cache holds it), unless that one holds `affinity_threshold` requests
+           more than the least loaded; then the less loaded of two (power of two choices). Answers stream back as
+           the replica sends them (forwarding.Relay).
   Replica  one `specdec serve` app (server.command.app_from_args): the models loaded once, its own continuous
            batch and prompt cache, `threads` CPUs reserved in Ray so that replicas on one node do not share cores.
            Ray restarts one that dies or fails its health check, and drains one that stops (requests in flight
            finish first, up to the request timeout).
 
 Its metrics (every one of `specdec serve`'s, tagged by replica) go to Ray's own metrics, which each node exports
-in Prometheus format (ray_specdec_*; `ray start --metrics-export-port`), beside Ray Serve's request gauges.
+in Prometheus format (ray_specdec_*; `ray start --metrics-export-port`), beside Ray Serve's request gauges; Ray
+exports them to anyone, so with API keys only where --ray-metrics-port asks for them. The keys themselves travel
+only as digests (middleware.key_digest).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, 
 
 from specdec.cluster.forwarding import ForwardedRequest, Relay, answer
 from specdec.cluster.metrics import mirror_to_ray
-from specdec.server.middleware import MAX_BODY_BYTES, LimitBody
+from specdec.server.middleware import MAX_BODY_BYTES, Authenticate, LimitBody, key_digest
 
 APP_NAME = "specdec"
 # Ray's router that prefers the replica which saw the longest start of the prompt (it reads the `prompt` attribute
@@ -39,14 +42,17 @@ REPLICA_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError, D
 
 @serve.deployment(name="Replica")
 class Replica:
-    def __init__(self, flags: dict):
+    def __init__(self, flags: dict, key_digests: list[bytes], mirror_metrics: bool):
+        """flags: `specdec serve`'s, without the keys; key_digests: the keys' (middleware.key_digest): the replica
+        checks a request's key again and knows its tenant; mirror_metrics: into Ray's, which every node exports
+        without any key."""
         from specdec.server.command import app_from_args
 
-        self.app = app_from_args(argparse.Namespace(**flags))
+        self.app = app_from_args(argparse.Namespace(**flags), key_digests)
         self.service = self.app.state.service
-        self._mirror = threading.Thread(target=mirror_to_ray, args=(self.service.metrics.registry,),
-                                        name="specdec-metrics", daemon=True)
-        self._mirror.start()
+        if mirror_metrics:
+            threading.Thread(target=mirror_to_ray, args=(self.service.metrics.registry,), name="specdec-metrics",
+                             daemon=True).start()
 
     async def answer(self, request: ForwardedRequest):
         async for message in answer(self.app, request):
@@ -61,14 +67,23 @@ class Replica:
 @serve.deployment(name="Front", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000)
 @serve.ingress()
 class Front:
-    def __init__(self, replicas):
+    def __init__(self, replicas, key_digests: list[bytes]):
         self.replicas = replicas.options(stream=True)
+        self.key_digests = key_digests
 
     def __serve_build_asgi_app__(self):
-        return LimitBody(Relay(self.forward, REPLICA_LOST, (BackPressureError,)), MAX_BODY_BYTES)
+        return front_app(self.forward, self.key_digests)
 
     def forward(self, request: ForwardedRequest):
         return self.replicas.answer.remote(request)
+
+
+def front_app(forward, key_digests: list[bytes]):
+    """The front's ASGI app: the relay to the replicas (`forward`: Relay's), behind the body's limit and, with keys,
+    behind the key: a request without one is refused from its headers, before anything of its body is read or held
+    here."""
+    app = LimitBody(Relay(forward, REPLICA_LOST, (BackPressureError,)), MAX_BODY_BYTES)
+    return Authenticate(app, key_digests) if key_digests else app
 
 
 def application(flags: argparse.Namespace, replicas: int | None = None, min_replicas: int | None = None,
@@ -76,9 +91,16 @@ def application(flags: argparse.Namespace, replicas: int | None = None, min_repl
                 ) -> serve.Application:
     """The Ray Serve application of `specdec serve`'s flags (a Namespace as server.command.serve_arguments gives):
     `replicas` replicas, or autoscaling between min_replicas and max_replicas on the requests each holds (target:
-    --max-batch), each with `threads` threads and as many Ray CPUs. Run it with ray.serve.run(app, name=APP_NAME)."""
+    --max-batch), each with `threads` threads and as many Ray CPUs. Run it with ray.serve.run(app, name=APP_NAME).
+
+    The API keys (--api-key, --api-key-file, read here) reach the front and the replicas as digests only; with keys,
+    the replicas' metrics go into Ray's exported metrics (which need no key) only when --ray-metrics-port asks."""
+    from specdec.server.command import api_keys
+
+    digests = [key_digest(key) for key in api_keys(flags)]
     settings = {key: value for key, value in vars(flags).items() if key != "func"}
-    settings["threads"] = threads
+    settings.update(threads=threads, api_key=None, api_key_file=None)
+    mirror_metrics = not digests or getattr(flags, "ray_metrics_port", None) is not None
     scaling = ({"num_replicas": replicas} if max_replicas is None else
                {"autoscaling_config": {"min_replicas": min_replicas, "max_replicas": max_replicas,
                                        "initial_replicas": max(min_replicas, 1),
@@ -95,7 +117,7 @@ def application(flags: argparse.Namespace, replicas: int | None = None, min_repl
             request_router_kwargs={"imbalanced_threshold": threshold, "do_eviction": True}))
     # The front holds every request in flight too: on shutdown it waits for them as the replicas do.
     front = Front.options(graceful_shutdown_wait_loop_s=1.0, graceful_shutdown_timeout_s=flags.request_timeout)
-    return front.bind(replica.bind(settings))
+    return front.bind(replica.bind(settings, digests, mirror_metrics), digests)
 
 
 def app_builder(args: dict) -> serve.Application:

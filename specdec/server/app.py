@@ -21,7 +21,7 @@ from specdec.server.bodies import Body, ChatBody, CompletionBody
 from specdec.server.errors import APIError, internal_error, validation_error
 from specdec.server.limits import available_memory, choose_ctx_size
 from specdec.server.metrics import Metrics
-from specdec.server.middleware import MAX_BODY_BYTES, Authenticate, LimitBody, Observe
+from specdec.server.middleware import MAX_BODY_BYTES, Authenticate, LimitBody, Observe, key_digest
 from specdec.server.replies import Reply, TurnStream, events
 from specdec.server.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_REQUEST_TIMEOUT_S, Scheduler, Turn
 
@@ -122,12 +122,14 @@ class Service:
 
 def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | Sequence[str] | None = None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_batch: int = DEFAULT_MAX_BATCH, ctx_size: int | None = None,
-               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S, share_across_keys: bool = False) -> FastAPI:
+               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S, share_across_keys: bool = False,
+               key_digests: Sequence[bytes] = ()) -> FastAPI:
     """An OpenAI-compatible app serving `generator` under `model_name` (the `model` clients must send).
 
     api_key: the key, or keys, of which every route but /health needs one (None or none: no key asked for). With
     several, each key's requests draw only on that key's earlier ones (the prompt cache, the lookup history: Service),
-    unless share_across_keys.
+    unless share_across_keys. key_digests: more keys, known only by their digests (middleware.key_digest), after
+    api_key's (how a Ray cluster's replicas are given the keys).
 
     ctx_size: the tokens one request may hold, prompt and completion (default: what memory allows, limits.
     choose_ctx_size); a ctx_size or max_batch whose KV caches cannot fit is refused here (ValueError).
@@ -138,15 +140,18 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
                                available_bytes=available_memory(),
                                prompt_cache_bytes=generator.prompt_cache.budget_bytes if generator.prompt_cache else 0)
     keys = [api_key] if isinstance(api_key, str) else list(api_key or [])
+    if not all(keys):
+        raise ValueError("an API key cannot be empty")
+    digests = [key_digest(key) for key in keys] + list(key_digests)
     service = Service(generator, model_name, max_batch, max_queue, ctx_size, request_timeout,
-                      tenants=len(keys) > 1 and not share_across_keys)
+                      tenants=len(digests) > 1 and not share_across_keys)
     app = FastAPI(title="specdec", summary="Exact speculative decoding behind an OpenAI-compatible API")
     app.state.service = service
     # Added innermost first: Observe(Authenticate(LimitBody(app))), so that a client without the key is refused
     # before its body is read, and 401s and 413s are counted too.
     app.add_middleware(LimitBody, max_bytes=MAX_BODY_BYTES)
-    if keys:
-        app.add_middleware(Authenticate, api_keys=keys)
+    if digests:
+        app.add_middleware(Authenticate, digests=digests)
     app.add_middleware(Observe, metrics=service.metrics)
 
     @app.exception_handler(APIError)

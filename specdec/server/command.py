@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from specdec.cluster.options import CLUSTER_FLAGS, add_cluster_args
@@ -15,6 +16,7 @@ from specdec.server.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_REQUEST_TIMEOUT_
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # --host values that only this machine can reach
+API_KEY_VARIABLE = "SPECDEC_API_KEY"  # --api-key's default
 
 
 def add_serve_parser(subparsers) -> None:
@@ -23,9 +25,10 @@ def add_serve_parser(subparsers) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to bind (default: %(default)s, this machine only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
                         help="require `Authorization: Bearer KEY` on every route but /health "
-                             "(default: $SPECDEC_API_KEY, else no key)")
+                             f"(default: ${API_KEY_VARIABLE}, else no key; on the command line other users of the "
+                             "machine can read it: prefer the variable or --api-key-file)")
     parser.add_argument("--api-key-file", default=None, metavar="FILE",
                         help="accept any of the keys in FILE, one a line (blank lines and lines starting with # are "
                              "skipped), beside --api-key: several clients with keys of their own, and no key on the "
@@ -67,14 +70,15 @@ def serve_arguments(argv: list[str]):
     return parser.parse_args(["serve", *argv])
 
 
-def app_from_args(args):
+def app_from_args(args, key_digests: Sequence[bytes] = ()):
     """The app that the flags of `specdec serve` describe, its models loaded once (here): what `specdec serve` runs on
-    uvicorn and every Ray Serve replica runs in its own process (specdec.cluster). Bad flags: ValueError."""
+    uvicorn and every Ray Serve replica runs in its own process (specdec.cluster, which passes the keys as
+    key_digests, the flags without them). Bad flags: ValueError."""
     check_serve_args(args)
     generator = generator_from_args(args, args.prompt_cache_mb)  # loaded once, shared by every request
     return create_app(generator, args.model_name or args.target, api_keys(args), args.max_queue, args.max_batch,
                       ctx_size=args.ctx_size, request_timeout=args.request_timeout,
-                      share_across_keys=getattr(args, "share_across_keys", False))
+                      share_across_keys=getattr(args, "share_across_keys", False), key_digests=key_digests)
 
 
 def api_keys(args) -> list[str]:
@@ -123,3 +127,6 @@ def warn_if_open(args) -> None:
     if not args.api_key and not getattr(args, "api_key_file", None) and args.host not in LOCAL_HOSTS:
         print(f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
               file=sys.stderr)
+    if args.api_key and args.api_key != os.environ.get(API_KEY_VARIABLE):
+        print(f"specdec: warning: an --api-key given on the command line can be read by every user of this machine "
+              f"(ps, /proc); set {API_KEY_VARIABLE} or use --api-key-file instead", file=sys.stderr)

@@ -4,6 +4,7 @@ is refused before the app parses or tokenizes it)."""
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import time
 from typing import TYPE_CHECKING
@@ -42,20 +43,31 @@ class Observe:
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
 
 
-class Authenticate:
-    """Every route but /health requires `Authorization: Bearer <one of the api keys>`. It sits outside LimitBody: a
-    client without a key gets 401 from its headers alone, and the server never reads or buffers its body. Which key
-    it was (its place in the list) is left in the request's state as `key` (the request's tenant, where the server
-    keeps each key's requests apart)."""
+def key_digest(key: str) -> bytes:
+    """What Authenticate keeps of a key: the SHA-256 digest of the header that carries it. A Ray cluster's front and
+    replicas are given these, never the keys (deployment arguments are visible to anyone who can read the cluster's
+    state)."""
+    return _digest(f"Bearer {key}".encode())
 
-    def __init__(self, app, api_keys: list[str]):
-        if not api_keys or not all(api_keys):
-            raise ValueError("Authenticate needs at least one key, and no empty one")
-        self.app, self.expected = app, [f"Bearer {key}".encode() for key in api_keys]
+
+def _digest(header: bytes) -> bytes:
+    return hashlib.sha256(header).digest()
+
+
+class Authenticate:
+    """Every route but /health requires `Authorization: Bearer <one of the api keys>`, known by their digests
+    (key_digest). It sits outside LimitBody: a client without a key gets 401 from its headers alone, and the server
+    never reads or buffers its body. Which key it was (its place in the list) is left in the request's state as `key`
+    (the request's tenant, where the server keeps each key's requests apart)."""
+
+    def __init__(self, app, digests: list[bytes]):
+        if not digests or not all(len(digest) == hashlib.sha256().digest_size for digest in digests):
+            raise ValueError("Authenticate needs at least one key's digest (key_digest)")
+        self.app, self.expected = app, list(digests)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] != "/health":
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            given = _digest(dict(scope["headers"]).get(b"authorization", b""))
             # every key compared, in constant time each: the time taken says nothing of which one came close
             matches = [secrets.compare_digest(given, expected) for expected in self.expected]
             if not any(matches):
