@@ -216,6 +216,14 @@ class Batch:
                                                            self.generator.prompt_cache)
         return self.pools[id(model)]
 
+    def _pool_of_one(self, model) -> SequencePool:
+        """A pool of one sequence of a model, as a batch of one has: where a seeded sample's draft model runs, so that
+        its draft probabilities, which decide how its random stream is used, are those it has alone (passes in a slot
+        beside other sequences are calibrated exact for the target only). Freed with the sequence taken from it."""
+        if self.max_batch == 1:
+            return self.pool(model)
+        return runtime_of(model).own_pool(model, self._max_length, self.generator.prompt_cache)
+
     def room(self) -> int:
         """Requests that add() can start now."""
         return min(self.max_batch - len(self.active), self.pools[id(self.generator.target)].free)
@@ -232,7 +240,8 @@ class Batch:
         # A seeded sample depends on how much is drafted each cycle, so it must not read what other requests left in
         # the drafter's shared history. A tenant's requests draw on that tenant's earlier ones alone (Request.tenant).
         tenant = request.tenant
-        drafter = gen.drafter_for(tenant).fork(lambda model: _TenantsPool(self.pool(model), tenant),
+        pool = self.pool if not request.seeded_sample else self._pool_of_one
+        drafter = gen.drafter_for(tenant).fork(lambda model: _TenantsPool(pool(model), tenant),
                                                shared_history=not request.seeded_sample)
         drafter.by_calibration_alone = request.seeded_sample
         runner = None

@@ -640,9 +640,9 @@ def test_the_batch_calibration_checks_the_shapes_a_server_makes(model):
     spread, one sequence alone) reproduce each sequence's own one-token passes bit for bit."""
     target, _ = model
     widest = max(llamacpp.CALIBRATION_WIDTHS)
-    assert target.batch_calibration == {"batch_width": widest, "prefill_in_slot_exact": True,
+    assert target.batch_calibration == {"batch_width": widest, "alone_width": widest, "prefill_in_slot_exact": True,
                                         "contexts": [16, 600, llamacpp.DEFAULT_SLOT_TOKENS - widest]}
-    assert target.batch_width == widest and target.prefills_in_slots_exactly
+    assert target.batch_width == widest == target.alone_in_slot_width and target.prefills_in_slots_exactly
     mixes = llamacpp.batch_mixes(5, 16)
     assert all(sum(n for _, n in mix) == 5 and len({s for s, _ in mix}) == len(mix) for mix in mixes)
     assert [s for s, _ in mixes[1]] == [0, 2, 4, 6, 8]  # ids with gaps, as slots freed in between leave them
@@ -657,7 +657,9 @@ def nudged(logits: torch.Tensor) -> torch.Tensor:
 def test_negative_control_the_batch_calibration_catches_an_inexact_shape_and_an_inexact_prefill(model,
                                                                                                 monkeypatch):
     """A target whose fused passes over sequence ids with gaps are one float step off from 5 tokens on calibrates
-    to a batch width of 4; one whose prompts prefilled in slots are off is found out too."""
+    to a batch width of 4 (a sequence alone in its slot still to 7); one whose passes of a sequence alone in a slot
+    are off from 6 tokens on, to 5 for both; one whose prompts prefilled in slots are off is found out too, in its
+    logits or in the cache it leaves (the right last logits over the cache of another prompt)."""
     target, _ = model
     exact_forward_many = llamacpp.SlotPool.forward_many
 
@@ -670,9 +672,28 @@ def test_negative_control_the_batch_calibration_catches_an_inexact_shape_and_an_
     monkeypatch.setattr(llamacpp.SlotPool, "forward_many", off_with_gaps)
     small = dict(widths=range(2, 8), contexts=(16, 200))  # enough to catch both; cheaper than the full calibration
     found = llamacpp.measure_batch_width(target, **small)
-    assert found == {"batch_width": 4, "prefill_in_slot_exact": True, "contexts": [16, 200]}
+    assert found == {"batch_width": 4, "alone_width": 7, "prefill_in_slot_exact": True, "contexts": [16, 200]}
     monkeypatch.setattr(llamacpp.SlotPool, "forward_many", exact_forward_many)
     exact_forward = llamacpp.LlamaCppRunner.forward
+
+    def off_alone_in_a_slot(runner, ids, last_only=False):
+        logits = exact_forward(runner, ids, last_only)
+        in_slot = runner.pool.sequences > 1 and runner.length > ids.shape[1]  # (not a prompt's prefill)
+        return nudged(logits) if in_slot and ids.shape[1] >= 6 else logits
+
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "forward", off_alone_in_a_slot)
+    found = llamacpp.measure_batch_width(target, **small)
+    assert (found["batch_width"], found["alone_width"], found["prefill_in_slot_exact"]) == (5, 5, True)
+
+    def another_prompts_cache_in_slots(runner, ids, last_only=False):
+        logits = exact_forward(runner, ids, last_only)
+        if runner.length == ids.shape[1] and runner.pool.sequences > 1 and ids.shape[1] > 100:
+            runner.rollback(0)
+            exact_forward(runner, torch.cat([ids[:, :1] + 1, ids[:, 1:]], dim=1), last_only)
+        return logits
+
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "forward", another_prompts_cache_in_slots)
+    assert llamacpp.measure_batch_width(target, **small)["prefill_in_slot_exact"] is False
 
     def prefill_off_in_slots(runner, ids, last_only=False):
         fresh_slot = runner.length == 0 and runner.pool.sequences > 1
@@ -892,6 +913,49 @@ def test_a_batch_sequence_beyond_the_batch_calibrations_longest_context_verifies
     finally:
         for runner in runners:
             runner.close()
+
+
+def test_a_sequence_alone_in_a_batch_slot_verifies_no_wider_than_the_batch_calibration_found_exact_there(model,
+                                                                                                    monkeypatch):
+    """A seeded sample verifies as it would alone, so in a batch's slot it may pass wider than the batch width: no
+    wider than passes of one sequence alone in a slot were found exact (alone_width), whatever the solo contexts'
+    exact width."""
+    target, _ = model
+    found = dict(target.batch_calibration)
+    monkeypatch.setitem(target._measured, "batch-shapes", {**found, "batch_width": 3, "alone_width": 5})
+    batch, solo = target.pool(2, llamacpp.DEFAULT_SLOT_TOKENS), target.pool(1)
+    runners = [pool.take(target.n_vocab) for pool in (batch, solo)]
+    try:
+        assert target.verify_width(100) > 5
+        assert runners[0].verify_width(100) == 5 == target.alone_in_slot_width and target.batch_width == 3
+        assert runners[1].verify_width(100) == target.verify_width(100)
+    finally:
+        for runner in runners:
+            runner.close()
+
+
+def test_a_seeded_samples_draft_model_runs_as_alone_whatever_a_batch_slots_passes_give(model, gguf_path,
+                                                                                      monkeypatch):
+    """A seeded sample's draft probabilities decide how its random stream is used; the draft model's passes in a
+    batch's slots are never calibrated against passes alone. So a seeded sample's draft model runs in a pool of its
+    own, as alone: here draft passes in slots give other logits (as another CPU's kernels might), and seeded samples
+    in a batch of 4 still repeat their answers alone token for token."""
+    target, tokenizer = model
+    gen = SpeculativeGenerator(target, gguf_path, k=3, tokenizer=tokenizer, prompt_cache=0)
+    draft, exact_forward = gen.draft, llamacpp.LlamaCppRunner.forward
+
+    def skewed_in_slots(runner, ids, last_only=False):
+        logits = exact_forward(runner, ids, last_only)
+        if runner.model is draft and runner.pool.sequences > 1:
+            logits = logits + 3 * torch.sin(torch.arange(logits.shape[-1]) * 0.37)
+        return logits
+
+    prompts = [f"{PROMPTS[i % 2]} {i}" for i in range(4)]
+    alone = [gen.generate(prompt, max_new_tokens=16, temperature=0.9, seed=10 + i).token_ids
+             for i, prompt in enumerate(prompts)]
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "forward", skewed_in_slots)
+    together = [out.token_ids for out in gen.generate_many(prompts, 16, temperature=0.9, seed=10, max_batch=4)]
+    assert together == alone
 
 
 def test_a_failed_load_or_pass_says_what_llama_cpp_reported(model, tmp_path):

@@ -184,6 +184,12 @@ class Runtime:
         are prefilled through prompt_cache where the runtime caches prompts."""
         raise NotImplementedError
 
+    def own_pool(self, model, max_length: int | None = None,
+                 prompt_cache: PromptCache | None = None) -> SequencePool:
+        """A pool of one sequence that no other request shares, freed with its sequence: where a request of a larger
+        batch runs as a batch of one would (what pool(model, 1) gives may be shared by whoever decodes alone)."""
+        return self.pool(model, 1, max_length, prompt_cache)
+
     def costs(self, model) -> PassCosts | None:
         """The measured costs of the model's passes, where the runtime measures them."""
         return None

@@ -111,6 +111,9 @@ class LlamaCppRuntime(Runtime):
     def pool(self, model, sequences=1, max_length=None, prompt_cache=None):
         return model.pool(sequences, max_length, prompt_cache)
 
+    def own_pool(self, model, max_length=None, prompt_cache=None):
+        return model.own_pool(max_length, prompt_cache)
+
     def costs(self, model) -> PassCosts:
         return model.costs
 

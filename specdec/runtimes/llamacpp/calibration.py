@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec.runtimes.llamacpp import kv_blocks
 from specdec.runtimes.llamacpp.context import SlotPool
 from specdec.runtimes.llamacpp.library import kernels_id
 
@@ -287,8 +288,10 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
     scheduler makes of w tokens: one token from each of w sequences (consecutive sequence ids, and ids with gaps
     where slots were freed), a ragged mix (one sequence with w - 1 tokens beside one with 1), an uneven spread, and
     one sequence alone verifying w tokens in its slot. -> {"batch_width": the largest w such that every pass of
-    2..w tokens gave every token its one-token logits bit for bit (1 if none did), "prefill_in_slot_exact": whether
-    prompts prefilled in slots equalled prompts prefilled alone, "contexts": the lengths checked}."""
+    2..w tokens gave every token its one-token logits bit for bit (1 if none did), "alone_width": the same for the
+    passes of one sequence alone in its slot (a seeded sample verifies as it would alone, which may be wider than a
+    shared pass), "prefill_in_slot_exact": whether prompts prefilled in slots left the logits and the cache (every
+    layer's keys and values) of prompts prefilled alone, "contexts": the lengths checked}."""
     n = max(widths)
     longest = min(slot_tokens, model.max_length) - n
     lengths = sorted({min(length, longest) for length in contexts})
@@ -298,10 +301,11 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
               for i in range(n)]  # the most tokens a pass takes from slot i: its one-token passes to compare with
     continuations = [probe_tokens(model, n * (i + 2))[:, -needed[i]:] for i in range(n)]  # all different
     prompts = {length: probe_tokens(model, length + 1)[:, 1:] for length in lengths}  # [1, length]
-    alone_prefill, alone = {}, [None] * n
+    alone_prefill, alone_cache, alone = {}, {}, [None] * n
     for length, prompt in prompts.items():  # each prompt alone, then each of its slots' continuations one at a time
         runner = private_runner(model, length + n)
         alone_prefill[length] = runner.forward(prompt, last_only=True)
+        alone_cache[length] = cache_rows(runner.pool.context.save_state(runner.seq), length)
         for i in (i for i in range(n) if prefix_of[i] == length):
             runner.rollback(length)
             alone[i] = one_token_logits(runner, continuations[i])
@@ -320,22 +324,41 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
         else:
             prefill_exact &= torch.equal(runner.forward(prompts[length], last_only=True), alone_prefill[length])
             states[length] = slots.context.save_state(runner.seq)
-    widest = 1
+            cache = cache_rows(states[length], length)
+            prefill_exact &= cache is not None and cache == alone_cache[length]
+    widest = alone_widest = 1  # of every shape; of one sequence alone
     for width in widths:
-        exact = True
+        shared = by_itself = True
         for mix in mixes[width]:
+            if len(mix) > 1 and widest < width - 1:  # shared passes stopped being exact at a narrower width
+                continue
             items = [(runners[i], continuations[i][:, :count]) for i, count in mix]
             outputs = slots.forward_many(items) if len(items) > 1 else [items[0][0].forward(items[0][1])]
+            exact = True
             for (i, count), logits in zip(mix, outputs):
                 exact &= torch.equal(logits[0], alone[i][:count])
                 runners[i].rollback(prefix_of[i])
-        if not (exact and widest == width - 1):
+            if len(items) > 1:
+                shared &= exact
+            else:
+                by_itself &= exact
+        alone_widest = width if by_itself and alone_widest == width - 1 else alone_widest
+        widest = width if shared and by_itself and widest == width - 1 else widest
+        if alone_widest < width:
             break
-        widest = width
     for runner in runners:
         runner.close()
     slots.close()
-    return {"batch_width": widest, "prefill_in_slot_exact": bool(prefill_exact), "contexts": lengths}
+    return {"batch_width": widest, "alone_width": alone_widest, "prefill_in_slot_exact": bool(prefill_exact),
+            "contexts": lengths}
+
+
+def cache_rows(state: bytes, length: int) -> list[bytes] | None:
+    """Every layer's keys and values of positions 0..length-1 in a sequence state (llama_state_seq_get_data's bytes)
+    -> comparable across contexts (the state's header names its sequence and its context's streams), or None where
+    the state is not laid out as kv_blocks reads it."""
+    found = kv_blocks.split(state, [(0, length)])
+    return None if found is None else [bytes(rows) for rows in found[1]]
 
 
 def batch_mixes(width: int, slots: int) -> list[list[tuple[int, int]]]:

@@ -161,13 +161,19 @@ class LlamaCppModel:
     def batch_calibration(self) -> dict:
         """What calibration.measure_batch_width found: the exact batch width, whether prompts prefill exactly in
         slots, the contexts checked."""
-        return self._calibrated("batching", calibration.measure_batch_width)
+        return self._calibrated("batch-shapes", calibration.measure_batch_width)
 
     @property
     def batch_width(self) -> int:
         """The most tokens, over one or several sequences, that a pass may hold while every token still gets the
         logits of a one-token pass of its own sequence."""
         return min(self.batch_calibration["batch_width"], min(self.exact_widths.values()))
+
+    @property
+    def alone_in_slot_width(self) -> int:
+        """The most tokens a pass of one sequence alone in a slot of a pool of several may hold (a seeded sample's,
+        which verifies as it would alone) while every token still gets its one-token logits."""
+        return min(self.batch_calibration["alone_width"], min(self.exact_widths.values()))
 
     @property
     def prefills_in_slots_exactly(self) -> bool:
@@ -243,6 +249,13 @@ class LlamaCppModel:
         self._pools[kind] = SlotPool(self, sequences, length, takeover=sequences == 1)
         self._pools[kind].prompt_cache = prompt_cache
         return self._pools[kind]
+
+    def own_pool(self, max_length: int | None = None, prompt_cache: PromptCache | None = None) -> SlotPool:
+        """A pool of one sequence of up to max_length tokens (default: the trained context), as pool(1) makes but
+        not kept by the model nor shared with anyone: its context is freed with the pool."""
+        pool = SlotPool(self, 1, min(max_length or self.max_length, self.max_length))
+        pool.prompt_cache = prompt_cache
+        return pool
 
     def prefill_context(self, n_seq: int, size: int) -> Context:
         """An empty context of n_seq sequences of at least `size` tokens each, for this model's prompt passes (a

@@ -72,11 +72,14 @@ class LlamaCppRunner:
 
     def verify_width(self, length: int) -> int:
         """The widest pass after `length` cached tokens (LlamaCppModel.verify_width). In a pool of several, where its
-        passes may be fused with other sequences', one token beyond the longest context the batch calibration
-        checked (its slots hold a little more than that: the calibration's passes must fit in them)."""
-        if self.pool.sequences > 1 and length > max(self.model.batch_calibration["contexts"]):
+        passes may be fused with other sequences' or run alone in its slot, no wider than the batch calibration
+        found a sequence's passes alone in a slot exact, and one token beyond the longest context it checked (its
+        slots hold a little more than that: the calibration's passes must fit in them)."""
+        if self.pool.sequences == 1:
+            return self.model.verify_width(length)
+        if length > max(self.model.batch_calibration["contexts"]):
             return 1
-        return self.model.verify_width(length)
+        return min(self.model.verify_width(length), self.model.alone_in_slot_width)
 
     @property
     def length(self) -> int:
