@@ -127,10 +127,13 @@ def synthetic() -> dict:
         record("llama-a", "chat", 100, 10), record("llama-a", "maths", 100, 20),
         record("llama-b", "chat", 80, 10), record("llama-b", "maths", 120, 10),
         # pooled over a kind's requests: 30 tokens / 2 s + 30 / 1 s -> 60 / 3 = 20, not the mean rate (22.5)
-        record("specdec", "chat", 30, 2, prompt_id="c1"), record("specdec", "chat", 30, 1, prompt_id="c2"),
+        # c2: the same text from other tokens, which only a comparison of token ids finds
+        record("specdec", "chat", 30, 2, prompt_id="c1", token_ids=[1, 2]),
+        record("specdec", "chat", 30, 1, prompt_id="c2", token_ids=[1, 3]),
         record("specdec", "maths", 240, 10, text="different"),
         {"server": "specdec", "kind": "maths", "prompt_id": "m2", "round": 0, "error": "APIError: boom"},
-        record(REFERENCE, "chat", 50, 10, prompt_id="c1"), record(REFERENCE, "chat", 50, 10, prompt_id="c2"),
+        record(REFERENCE, "chat", 50, 10, prompt_id="c1", token_ids=[1, 2]),
+        record(REFERENCE, "chat", 50, 10, prompt_id="c2", token_ids=[1, 2]),
         record(REFERENCE, "maths", 100, 10),
     ]
     info = {"command": ["x"], "startup_s": 1.0, "kernel_plan": None}
@@ -154,6 +157,7 @@ def test_summary_pools_tokens_over_seconds_and_compares_with_the_best_llama_serv
     assert "llama-a" not in ratio
     assert s["same_text"]["specdec"] == {"same": 2, "compared": 3}
     assert s["same_text"]["llama-a"] == {"same": 1, "compared": 1}  # only its maths prompt has a reference answer
+    assert s["same_tokens"] == {"specdec": {"same": 1, "compared": 2}}  # where both gave token ids
     assert s["counts"]["specdec"] == {"requests": 4, "failed": 1, "completion_tokens": 300, "wall_s": 13,
                                       "prompt_tokens_mean": 10, "decode_tokens_per_s": None,
                                       "first_token_s_median": None}  # not streamed: no first token to time
@@ -173,7 +177,7 @@ def test_report_shows_the_ratios_the_best_configurations_and_the_identity_count(
                "machine": {"cpu": "cpu", "cores": 2, "load_average_at_start": [1.0, 1.0, 1.0]},
                "settings": {"max_tokens": 32, "threads": 2, "rounds": 1, "prompts": 4}}
     text = servers.report(results)
-    assert "**specdec and specdec-target-only: 2/3 answers with identical text.**" in text
+    assert "**specdec and specdec-target-only: 1/2 answers with identical token ids.**" in text  # (of those with ids)
     assert "| specdec | 3/4 | 300 | 13.0 | 10 | 20.00 | 24.00 | 23.08 | 2.31x |" in text
     assert "| best llama-server | llama-a | llama-b | llama-b |" in text
     assert "Errors: APIError: boom" in text
@@ -191,7 +195,7 @@ def test_a_report_of_specdecs_servers_alone_says_no_llama_server_ran():
                "settings": {"max_tokens": 32, "threads": 2, "rounds": 1, "prompts": 4}}
     text = servers.report(results)
     assert "no llama-server in this run" in text
-    assert "**specdec and specdec-target-only: 2/3 answers with identical text.**" in text
+    assert "**specdec and specdec-target-only: 1/2 answers with identical token ids.**" in text
 
 
 # ---- the server processes
@@ -281,6 +285,7 @@ def test_run_against_stand_ins_records_every_request_and_saves_the_results(fake,
     s = servers.summarise(results)
     assert s["same_text"]["specdec"] == {"same": 8, "compared": 8}
     assert s["same_text"]["llama-a"] == {"same": 0, "compared": 8}
+    assert s["same_tokens"] == {"specdec": {"same": 8, "compared": 8}}
 
 
 def test_concurrent_clients_send_every_prompt_to_each_server_at_once_and_the_all_column_is_throughput(fake, tmp_path):
@@ -334,7 +339,7 @@ def test_the_command_writes_results_and_report_and_refuses_unknown_names(fake, t
     assert len(results["records"]) == 3 * 2 and results["settings"]["kinds"] == ["chat"]
     assert results["versions"]["llama-cpp-python"] == servers._llama_cpp_version()
     assert re.fullmatch(r"[0-9a-f]{8}", results["patch_md5"])
-    assert "**specdec and specdec-target-only: 2/2 answers with identical text.**" in (out / "report.md").read_text()
+    assert "**specdec and specdec-target-only: 2/2 answers with identical token ids.**" in (out / "report.md").read_text()
     assert (out / "logs" / "llama-a.log").is_file()
     assert cli.main([*argv, "--servers", "specdec,llama-nope"]) == 2
     assert cli.main([*argv, "--kinds", "poetry"]) == 2

@@ -15,6 +15,7 @@ Figures (summarise() derives them from the records alone):
                          fastest in that kind; over all kinds, the fastest pooled
   same text              answers whose text equals specdec-target-only's on the same prompt and round: greedy
                          speculative decoding must not change an answer
+  same tokens            the same, token id for token id, where both servers give them (specdec's)
 """
 
 from __future__ import annotations
@@ -499,6 +500,17 @@ def summarise(results: dict) -> dict:
         pairs = [(r["text"], reference[r["round"], r["prompt_id"]]) for r in done
                  if r["server"] == server and (r["round"], r["prompt_id"]) in reference]
         same_text[server] = {"same": sum(a == b for a, b in pairs), "compared": len(pairs)}
+    # Where both servers give token ids (specdec's), the answers compared token for token: equal text can hide
+    # different tokens.
+    reference_ids = {(r["round"], r["prompt_id"]): r["token_ids"] for r in done
+                     if r["server"] == REFERENCE and r.get("token_ids") is not None}
+    same_tokens = {}
+    for server in servers:
+        pairs = [(r["token_ids"], reference_ids[r["round"], r["prompt_id"]]) for r in done
+                 if r["server"] == server and server != REFERENCE and r.get("token_ids") is not None
+                 and (r["round"], r["prompt_id"]) in reference_ids]
+        if pairs:
+            same_tokens[server] = {"same": sum(a == b for a, b in pairs), "compared": len(pairs)}
     counts = {server: {"requests": sum(r["server"] == server for r in records),
                        "failed": sum(r["server"] == server and "error" in r for r in records),
                        "completion_tokens": sum(r["completion_tokens"] for r in groups[server, ALL_KINDS]),
@@ -510,7 +522,7 @@ def summarise(results: dict) -> dict:
                        "first_token_s_median": _median([r.get("first_token_s") for r in groups[server, ALL_KINDS]])}
               for server in servers}
     return {"kinds": kinds, "servers": servers, "baselines": baselines, "tokens_per_s": rate, "best": best,
-            "vs_best": ratio, "same_text": same_text, "counts": counts}
+            "vs_best": ratio, "same_text": same_text, "same_tokens": same_tokens, "counts": counts}
 
 
 def _median(values: list) -> float | None:
@@ -592,7 +604,11 @@ def report(results: dict) -> str:
                         rows)
     if s["same_text"]:
         lines += ["", "## Same answers", ""]
-        if "specdec" in s["same_text"]:
+        if "specdec" in s.get("same_tokens", {}):
+            same = s["same_tokens"]["specdec"]
+            lines += [f"**specdec and {REFERENCE}: {same['same']}/{same['compared']} answers with identical token "
+                      "ids.**", ""]
+        elif "specdec" in s["same_text"]:
             same = s["same_text"]["specdec"]
             lines += [f"**specdec and {REFERENCE}: {same['same']}/{same['compared']} answers with identical text.**",
                       ""]
