@@ -355,22 +355,31 @@ def test_a_conversation_and_an_agent_loop_answer_as_a_server_without_the_cache_d
     assert [answer["token_ids"] for _, answer in sent] == cold
 
 
-def test_eight_concurrent_conversations_over_a_budget_that_evicts_answer_as_without_the_cache(smollm):
+def test_eight_concurrent_conversations_over_a_budget_that_evicts_answer_as_without_the_cache(smollm,
+                                                                                             monkeypatch):
+    """Hits, evictions and fused passes over several conversations' sequences all happen here (each is checked), and
+    every answer is the one a server without the cache gives."""
     import openai
     from concurrent.futures import ThreadPoolExecutor
 
     from specdec.server.app import create_app
 
     model, tokenizer = smollm
+    fused, forward_many = [], llamacpp.SlotPool.forward_many
+    monkeypatch.setattr(llamacpp.SlotPool, "forward_many",
+                        lambda pool, items: fused.append(len(items)) or forward_many(pool, items))
     block_bytes = llamacpp.PREFILL_BLOCK * model.kv_bytes_per_token
-    gen = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=6 * block_bytes / 2**20)
+    gen = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=20 * block_bytes / 2**20)
     openings = [f"Conversation {i}. " + INSTRUCTIONS[i * 40:i * 40 + 1000] for i in range(8)]
     with serve(create_app(gen, "smollm", max_batch=8)) as url, ThreadPoolExecutor(8) as pool:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         sent = [request for conversation in pool.map(
             lambda opening: conversation_requests(client, opening, 2, SETTINGS["greedy"]), openings)
             for request in conversation]
-    assert gen.prompt_cache.stats.evictions > 0 and gen.prompt_cache.stats.bytes <= 6 * block_bytes
+    assert gen.prompt_cache.stats.evictions > 0 and gen.prompt_cache.stats.bytes <= 20 * block_bytes
+    assert gen.prompt_cache.stats.hits > 0 and sum(answer["cached"] > 0 for _, answer in sent) > 0
+    assert max(fused, default=0) > 1  # passes that held several sequences at once
+    monkeypatch.setattr(llamacpp.SlotPool, "forward_many", forward_many)
     cold = replayed_on_a_server_without_the_cache(model, tokenizer, sent, SETTINGS["greedy"])
     assert [answer["token_ids"] for _, answer in sent] == cold
 
