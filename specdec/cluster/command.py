@@ -57,6 +57,11 @@ def run_replicated(args) -> int:
 
     settings = cluster_settings(args)
     check_serve_args(args)
+    warn_if_open(args)
+    # Before Ray is imported: it reads its authentication mode once, when it loads (set later, this process would
+    # start the cluster's daemons in token mode without making them a token, and they would fail)
+    for name, value in ray_environment(args, os.environ).items():
+        os.environ.setdefault(name, value)
     try:
         import ray
         from ray import serve
@@ -65,9 +70,6 @@ def run_replicated(args) -> int:
                          "requirements-ray.txt)") from None
     from specdec.cluster.deployment import APP_NAME, application
 
-    warn_if_open(args)
-    for name, value in ray_environment(args, os.environ).items():
-        os.environ.setdefault(name, value)
     if (args.api_key or args.api_key_file) and args.ray_metrics_port is not None:
         print(f"specdec: warning: the replicas' metrics at each node's port {args.ray_metrics_port} are served to "
               "anyone who reaches it, without the API key", file=sys.stderr)
