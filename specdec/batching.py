@@ -252,13 +252,14 @@ class Batch:
             decoding = Decoding(runner, drafter, torch.tensor([request.prompt_ids]), k=k,
                                 max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                                 generator=make_generator(request.seed), eos_ids=gen.eos_ids, stats=stats,
-                                pinned_k=request.seeded_sample, prefill_now=False)
+                                pinned_k=request.seeded_sample, prefill_now=False, logprobs=request.logprobs)
         except BaseException:
             if runner is not None:
                 runner.close()
             drafter.close()
             raise
-        sequence = Generation(request, decoding, Output(gen.tokenizer, request.stop, stats))
+        sequence = Generation(request, decoding, Output(gen.tokenizer, request.stop, stats,
+                                                        logprobs=request.logprobs is not None))
         if decoding.done:
             sequence.close()
             sequence.last = sequence.output.collect(sequence.output.end())

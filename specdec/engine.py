@@ -9,12 +9,13 @@ sequences with their target passes fused, which is what generate() (a batch of o
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Protocol
 
 import torch
 
 from specdec.drafters.base import Drafter, Proposal
+from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.metrics import SpecStats
 from specdec.runtimes.base import Runner, prefill
 from specdec.sampling import SamplingConfig, logits_to_probs
@@ -33,6 +34,7 @@ class Step:
     tokens: list[int]  # tokens committed by one cycle, in order
     n_from_draft: int  # the first n_from_draft of them were authored by the drafter (accepted draft tokens)
     finish_reason: str | None = None  # "stop" (end-of-sequence token), "length" (token budget or context), or None
+    logprobs: tuple[TokenLogprob, ...] = ()  # per token, where the request asks for them (specdec.logprobs)
 
 
 def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
@@ -65,12 +67,13 @@ class Decoding:
     def __init__(self, target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
                  max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator,
                  eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None, pinned_k: bool = False,
-                 prefill_now: bool = True):
+                 prefill_now: bool = True, logprobs: int | None = None):
         """Prefills the prompt [1, n] (its last row gives p for the first new token): at once, or with prefill_now
         False pass by pass through prefill_step() (a batch runs other sequences' cycles between the passes); with no
         token to generate, nothing is evaluated. pinned_k: in a batch, draft as this decoding would alone (see
-        batching.batch_cycle)."""
-        self.pinned_k = pinned_k
+        batching.batch_cycle). logprobs: each Step carries its tokens' log-probabilities with this many alternatives
+        (None: none)."""
+        self.pinned_k, self.logprobs = pinned_k, logprobs
         self.target, self.drafter, self.k = target, drafter, k
         self.max_new_tokens, self.sampling, self.generator, self.eos_ids = max_new_tokens, sampling, generator, eos_ids
         self.stats = stats if stats is not None else SpecStats()
@@ -226,6 +229,8 @@ class Decoding:
         stats.drafter_counts.update(proposal.counts)
 
         step = _truncate(tokens[0, : n_accepted + 1].tolist(), n_authored, self._budget, self.eos_ids)
+        if self.logprobs is not None:  # (the rows of this cycle's committed tokens: row i gave token i)
+            step = replace(step, logprobs=token_logprobs(logits[0], step.tokens, self.logprobs))
         self.context = torch.cat([self.context, tokens[:, : len(step.tokens)]], dim=1)
         self.emitted += len(step.tokens)
         stats.new_tokens = self.emitted

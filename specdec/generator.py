@@ -192,28 +192,31 @@ class SpeculativeGenerator:
 
     def request(self, prompt, max_new_tokens: int | None = 128, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (), chat: bool = False,
-                k: int | str | None = None, max_length: int | None = None, tenant: str | None = None) -> Request:
+                k: int | str | None = None, max_length: int | None = None, tenant: str | None = None,
+                logprobs: int | None = None) -> Request:
         """One request, built and checked: the prompt encoded (see encode), the settings validated, and prompt plus
         max_new_tokens checked against max_length (default: the target's context), the tokens one sequence holds.
         max_new_tokens None: as many as the context has room for. Raises ValueError (ContextLengthExceeded when it
-        does not fit). tenant: whose earlier requests it may draw on (Request.tenant)."""
+        does not fit). tenant: whose earlier requests it may draw on (Request.tenant). logprobs: each new token's
+        log-probability and this many most likely alternatives (specdec.logprobs; None: none)."""
         limit = self.context_length if max_length is None else max_length
         ids = self.encode(prompt, chat)
         if max_new_tokens is None:
             max_new_tokens = max(limit - len(ids), 0)
         request = Request(tuple(ids), max_new_tokens, SamplingConfig(temperature, top_k, top_p), seed,
-                          tuple(s for s in stop if s), self.k if k is None else k, tenant)
+                          tuple(s for s in stop if s), self.k if k is None else k, tenant, logprobs)
         make_k_policy(request.k)  # a bad k is refused here, not at the first cycle
         request.check_fits(limit)
         return request
 
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
-               chat: bool = False, k: int | str | None = None, tenant: str | None = None) -> Iterator[Chunk]:
+               chat: bool = False, k: int | str | None = None, tenant: str | None = None,
+               logprobs: int | None = None) -> Iterator[Chunk]:
         """Yield chunks of new text as soon as each cycle commits them; the last chunk carries the stats. tenant:
-        whose earlier requests it may draw on (Request.tenant)."""
+        whose earlier requests it may draw on (Request.tenant); logprobs: as generate's, on each chunk."""
         yield from self.decode(self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k,
-                                            tenant=tenant))
+                                            tenant=tenant, logprobs=logprobs))
 
     def decode(self, request: Request) -> Iterator[Chunk]:
         """One request's chunks as each cycle commits them, decoded in a batch of one."""
@@ -239,19 +242,23 @@ class SpeculativeGenerator:
 
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
-                 chat: bool = False, k: int | str | None = None, tenant: str | None = None) -> GenerationResult:
+                 chat: bool = False, k: int | str | None = None, tenant: str | None = None,
+                 logprobs: int | None = None) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt (text or token ids). temperature 0 is greedy. tenant: whose
         earlier requests it may draw on, its cached prompts and the suffix lookup's history (Request.tenant; None:
-        those of every other request without a tenant)."""
-        request = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k, tenant=tenant)
+        those of every other request without a tenant). logprobs: the result carries each new token's
+        log-probability under the target and this many most likely alternatives at its position (0-20; None: none),
+        bit for bit those of target-only decoding."""
+        request = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k, tenant=tenant,
+                               logprobs=logprobs)
         for sequence, _ in self._decode_alone(request):
             pass
         return sequence.output.result()
 
     def generate_many(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
                       top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                      stop: Sequence[str] = (), chat: bool = False,
-                      max_batch: int = DEFAULT_MAX_BATCH) -> list[GenerationResult]:
+                      stop: Sequence[str] = (), chat: bool = False, max_batch: int = DEFAULT_MAX_BATCH,
+                      logprobs: int | None = None) -> list[GenerationResult]:
         """Generate for several prompts at once: each cycle, every unfinished prompt drafts on its own and one target
         pass verifies all of their drafts (batched speculative decoding: fused on llama.cpp; other runtimes take
         turns within the cycle).
@@ -261,10 +268,10 @@ class SpeculativeGenerator:
         seeded sample is the one generate(prompt, seed=seed + index) gives. A pass holds at most the target's
         calibrated batch width of tokens, within which every token's logits are those of a one-token pass of its own
         sequence; prompts draft within their share of it (a seeded sample drafts as it would alone), and what does
-        not fit takes further passes. Results come in the order of the prompts.
+        not fit takes further passes. Results come in the order of the prompts. logprobs: as generate's.
         """
         requests = [self.request(prompt, max_new_tokens, temperature, top_k, top_p,
-                                 None if seed is None else seed + i, stop, chat)
+                                 None if seed is None else seed + i, stop, chat, logprobs=logprobs)
                     for i, prompt in enumerate(prompts)]
         batch = Batch(self, max_batch=max(1, min(max_batch, len(requests))))
         sequences, pending = [], list(requests)

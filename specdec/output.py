@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from specdec.engine import Step
+from specdec.logprobs import TokenLogprob
 from specdec.metrics import SpecStats
 
 
@@ -18,6 +19,7 @@ class Chunk:
     n_from_draft: int  # the first n_from_draft token_ids were authored by the drafter and accepted by the target
     finish_reason: str | None = None  # "stop" or "length" on the last chunk
     stats: SpecStats | None = None  # set on the last chunk
+    logprobs: list[TokenLogprob] | None = None  # per token, where the request asks for them
 
 
 @dataclass
@@ -27,16 +29,18 @@ class GenerationResult:
     stats: SpecStats
     finish_reason: str
     from_draft: list[bool] = field(default_factory=list)  # per token: authored by the drafter
+    logprobs: list[TokenLogprob] | None = None  # per token, where asked for (generate(logprobs=...))
 
 
 class Output:
     """A request's steps turned into chunks (text detokenized, cut at stop strings) and gathered into a result."""
 
-    def __init__(self, tokenizer, stop: Sequence[str], stats: SpecStats):
+    def __init__(self, tokenizer, stop: Sequence[str], stats: SpecStats, logprobs: bool = False):
         self.text = Detokenizer(tokenizer, stop)
         self.stats = stats  # the request's, carried on its last chunk (the engine keeps them)
         self.token_ids: list[int] = []
         self.from_draft: list[bool] = []
+        self.logprobs: list[TokenLogprob] | None = [] if logprobs else None
         self.texts: list[str] = []
         self.finish_reason: str | None = None
 
@@ -45,18 +49,21 @@ class Output:
         fewest tokens that complete it, and finish_reason "stop" (the decoding must be told: Decoding.stop_at)."""
         delta, kept, stopped = self.text.add(step.tokens)
         tokens, n_from_draft = step.tokens[:kept], min(step.n_from_draft, kept)
+        logprobs = list(step.logprobs[:kept]) if self.logprobs is not None else None
         if stopped:
-            return Chunk(delta, tokens, n_from_draft, "stop", self.stats)
+            return Chunk(delta, tokens, n_from_draft, "stop", self.stats, logprobs)
         if step.finish_reason:
-            return Chunk(delta + self.text.flush(), tokens, n_from_draft, step.finish_reason, self.stats)
-        return Chunk(delta, tokens, n_from_draft)
+            return Chunk(delta + self.text.flush(), tokens, n_from_draft, step.finish_reason, self.stats, logprobs)
+        return Chunk(delta, tokens, n_from_draft, logprobs=logprobs)
 
     def end(self) -> Chunk:
         """The last chunk when generation ended without a finish reason (no tokens asked for)."""
-        return Chunk(self.text.flush(), [], 0, "length", self.stats)
+        return Chunk(self.text.flush(), [], 0, "length", self.stats, [] if self.logprobs is not None else None)
 
     def collect(self, chunk: Chunk) -> Chunk:
         self.token_ids += chunk.token_ids
+        if self.logprobs is not None:
+            self.logprobs += chunk.logprobs or []
         self.from_draft += [i < chunk.n_from_draft for i in range(len(chunk.token_ids))]
         self.texts.append(chunk.text)
         self.finish_reason = chunk.finish_reason or self.finish_reason
@@ -64,7 +71,7 @@ class Output:
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.token_ids, "".join(self.texts), self.stats, self.finish_reason,
-                                self.from_draft)
+                                self.from_draft, self.logprobs)
 
 
 DECODE_WINDOW = 6  # tokens before the new ones that each step decodes again, for their context

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.logprobs import check_top
 from specdec.sampling import SamplingConfig
 
 
@@ -44,10 +45,12 @@ class Request:
     # Whose earlier requests this one may draw on (the prompt cache's segments and answers, the suffix lookup's
     # history): those of the same tenant only; None, the one tenant of a server without keys or that shares them.
     tenant: str | None = None
+    logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
 
     def __post_init__(self):
         if not self.prompt_ids:
             raise ValueError("the prompt is empty: give at least one token of text")
+        check_top(self.logprobs)
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from specdec.runtimes import runtime_of
 
 
@@ -45,3 +47,49 @@ def own_vocab_size(model, tokenizer) -> int:
     """The usable vocabulary of one model: its tokenizer's range (capped by its output layer), or its output layer."""
     rows = model_vocab_size(model)
     return min(len(tokenizer), rows) if tokenizer is not None else rows
+
+
+class TokenText:
+    """Each token id's bytes: a byte-level BPE piece (GPT-2 style, as Qwen, Llama 3 and SmolLM2 have) mapped back to
+    the bytes it stands for, a special token's text; and as text, those bytes decoded (a piece that is part of a
+    character shows as U+FFFD). A tokenizer of another kind gives each token decoded alone."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._known: dict[int, bytes] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.byte_level = backend is not None and _is_byte_level(json.loads(backend.to_str()).get("decoder"))
+        if self.byte_level:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+            self._byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+            self._added = {i: token.content for i, token in tokenizer.added_tokens_decoder.items()}
+            self._backend = backend
+
+    def piece_bytes(self, token: int) -> bytes | None:
+        """A byte-level tokenizer's token as bytes (None for an id it does not have, such as output-layer rows
+        padded beyond it)."""
+        if token in self._added:
+            return self._added[token].encode()
+        piece = self._backend.id_to_token(token)
+        if piece is None:
+            return None
+        return bytes(self._byte_of[c] for c in piece) if all(c in self._byte_of for c in piece) else piece.encode()
+
+    def bytes(self, token: int) -> bytes:
+        found = self._known.get(token)
+        if found is None:
+            piece = self.piece_bytes(token) if self.byte_level else None
+            found = self._known[token] = piece if piece is not None else self.tokenizer.decode([token]).encode()
+        return found
+
+    def text(self, token: int) -> str:
+        return self.bytes(token).decode("utf-8", errors="replace")
+
+
+def _is_byte_level(decoder: dict | None) -> bool:
+    if not decoder:
+        return False
+    if decoder.get("type") == "Sequence":
+        return any(_is_byte_level(d) for d in decoder.get("decoders", []))
+    return decoder.get("type") == "ByteLevel"

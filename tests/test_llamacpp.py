@@ -958,6 +958,30 @@ def test_a_seeded_samples_draft_model_runs_as_alone_whatever_a_batch_slots_passe
     assert together == alone
 
 
+def test_logprobs_under_speculation_are_target_only_decodings_bit_for_bit(model, baseline, monkeypatch):
+    """Tokens committed from multi-token verify passes (suffix lookups of a repetitive prompt) report the
+    log-probabilities and top-5 alternatives that target-only decoding reports, bit for bit, alone and in a batch of
+    several. Negative control: verify passes one float step off are caught."""
+    target, tokenizer = model
+    prompt = "red, green, blue, yellow, " * 6
+    alone = baseline.generate(prompt, max_new_tokens=40, logprobs=5)
+    gen = SpeculativeGenerator(target, "suffix", k=4, tokenizer=tokenizer, prompt_cache=0)
+    out = gen.generate(prompt, max_new_tokens=40, logprobs=5)
+    assert out.stats.accepted_tokens > 10 and out.token_ids == alone.token_ids
+    assert out.logprobs == alone.logprobs and len(out.logprobs) == 40
+    together = gen.generate_many([prompt, PROMPTS[1]], 40, logprobs=5)
+    assert together[0].logprobs == alone.logprobs
+    exact_forward = llamacpp.LlamaCppRunner.forward
+
+    def off_when_wide(runner, ids, last_only=False):
+        logits = exact_forward(runner, ids, last_only)
+        verifying = ids.shape[1] > 1 and runner.length > ids.shape[1]  # (not a prompt)
+        return torch.nextafter(logits, torch.tensor(float("inf"))) if verifying else logits
+
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "forward", off_when_wide)
+    assert gen.generate(prompt, max_new_tokens=40, logprobs=5).logprobs != alone.logprobs
+
+
 def test_a_failed_load_or_pass_says_what_llama_cpp_reported(model, tmp_path):
     """llama.cpp reports its reasons only through its log; a failure says them, not only that it failed."""
     from specdec.runtimes.llamacpp import context

@@ -12,10 +12,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import SpeculativeGenerator, server
+from specdec.logprobs import token_logprobs
+from specdec.runtimes import runtime_of
 from specdec.server import create_app
 
 from conftest import char_tokenizer, close_draft, serve, tiny_model
@@ -96,6 +99,87 @@ def test_greedy_completion_equals_generate(client, generator):
         assert stats["drafted_tokens"] > 0 and stats["new_tokens"] == len(ref.token_ids)
         assert stats["acceptance_rate"] == stats["accepted_tokens"] / stats["drafted_tokens"]
         assert stats["mean_accepted_length"] >= 1
+
+
+def one_token_logprobs(generator, prompt_ids: list[int], tokens: list[int], top: int):
+    """The tokens' log-probabilities as plain decoding gives them: the prompt's pass, then one token a pass."""
+    runner = runtime_of(generator.target).pool(generator.target).take(generator.vocab_size)
+    try:
+        rows = [runner.forward(torch.tensor([prompt_ids]), last_only=True)[0, -1]]
+        rows += [runner.forward(torch.tensor([[token]]))[0, -1] for token in tokens[:-1]]
+    finally:
+        runner.close()
+    return list(token_logprobs(torch.stack(rows), tokens, top))
+
+
+def test_logprobs_are_those_of_one_token_decoding_greedy_and_sampled(generator, monkeypatch):
+    """Every committed token's log-probability (and its position's top 3) equals, bit for bit, what plain one-token
+    decoding of the target gives there, for tokens committed by multi-token verify passes. Negative control:
+    verify passes one float step off (as a kernel that rounds by pass width would be) are caught."""
+    prompt = "abcabcab"
+    ids = generator.encode(prompt)
+    runner_class = type(runtime_of(generator.target).pool(generator.target).take(generator.vocab_size))
+    outs = {}
+    for temperature, seed in ((0.0, None), (0.9, 3)):
+        out = generator.generate(prompt, max_new_tokens=24, temperature=temperature, seed=seed, logprobs=3)
+        assert out.stats.accepted_tokens > 0 and len(out.logprobs) == len(out.token_ids) > 3
+        assert [lp.token for lp in out.logprobs] == out.token_ids
+        assert out.logprobs == one_token_logprobs(generator, ids, out.token_ids, 3)
+        assert all(len(lp.top) == 3 and lp.top[0][1] >= lp.logprob for lp in out.logprobs)
+        outs[temperature] = out
+    exact_forward = runner_class.forward
+
+    def off_when_wide(runner, input_ids, last_only=False):
+        logits = exact_forward(runner, input_ids, last_only)
+        verifying = input_ids.shape[1] > 1 and runner.length > input_ids.shape[1]  # (not a prompt)
+        return torch.nextafter(logits, torch.tensor(float("inf"))) if verifying else logits
+
+    monkeypatch.setattr(runner_class, "forward", off_when_wide)
+    off = generator.generate(prompt, max_new_tokens=24, logprobs=3)
+    monkeypatch.undo()
+    assert off.logprobs != one_token_logprobs(generator, ids, off.token_ids, 3)
+    assert generator.generate(prompt, max_new_tokens=24, logprobs=3).logprobs == outs[0.0].logprobs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_through_the_official_client_are_generates(client, generator, stream):
+    """Completions (logprobs=N: tokens, token_logprobs, top_logprobs, text_offset) and chat (logprobs, top_logprobs:
+    content entries with bytes), whole and streamed: the figures generate() reports, unchanged through JSON."""
+    ref = generator.generate("abcab", max_new_tokens=12, logprobs=2)
+    out = client.completions.create(model=MODEL, prompt="abcab", max_tokens=12, temperature=0, logprobs=2,
+                                    stream=stream)
+    choices = [chunk.choices[0] for chunk in out] if stream else [out.choices[0]]
+    got = [lp for choice in choices if choice.logprobs for lp in choice.logprobs.token_logprobs]
+    assert got == [lp.logprob for lp in ref.logprobs]
+    tokens = [t for choice in choices if choice.logprobs for t in choice.logprobs.tokens]
+    assert "".join(tokens) == ref.text
+    offsets = [o for choice in choices if choice.logprobs for o in choice.logprobs.text_offset]
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    tops = [top for choice in choices if choice.logprobs for top in choice.logprobs.top_logprobs]
+    assert [sorted(top.values(), reverse=True) for top in tops] == [[v for _, v in lp.top] for lp in ref.logprobs]
+
+    chat_ref = generator.generate("hello", chat=True, max_new_tokens=12, logprobs=2)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
+                                         max_tokens=12, temperature=0, logprobs=True, top_logprobs=2, stream=stream)
+    choices = [chunk.choices[0] for chunk in out] if stream else [out.choices[0]]
+    content = [entry for choice in choices if choice.logprobs for entry in choice.logprobs.content]
+    assert [entry.logprob for entry in content] == [lp.logprob for lp in chat_ref.logprobs]
+    assert [[alt.logprob for alt in entry.top_logprobs] for entry in content] == [
+        [v for _, v in lp.top] for lp in chat_ref.logprobs]
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == chat_ref.text
+
+
+def test_logprobs_not_asked_for_are_none_and_bad_settings_are_refused(client, url):
+    out = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0)
+    assert out.choices[0].logprobs is None
+    for body, says in [({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "needs logprobs"),
+                       ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+                        "top_logprobs"),
+                       ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+                       ({"prompt": "hi", "top_logprobs": 2}, "top_logprobs")]:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        reply = httpx.post(f"{url}{path}", json={"model": MODEL, **body})
+        assert 400 <= reply.status_code < 500 and says in json.dumps(reply.json()), (body, reply.text)
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -259,7 +343,7 @@ BAD_REQUESTS = [
     ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "ab", "n": 2}, 400, "n"),
     ("n > 1 chat", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "n": 3},
      400, "n"),
-    ("unsupported logprobs", "/v1/completions", {"model": MODEL, "prompt": "ab", "logprobs": 2}, 400, "logprobs"),
+    ("unsupported echo", "/v1/completions", {"model": MODEL, "prompt": "ab", "echo": True}, 400, "echo"),
     ("too many stop strings", "/v1/completions", {"model": MODEL, "prompt": "ab", "stop": list("abcde")}, 400,
      "stop"),
     ("seed out of range", "/v1/completions", {"model": MODEL, "prompt": "ab", "seed": 2**70}, 400, "seed"),

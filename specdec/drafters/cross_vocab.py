@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import codecs
-import json
 from itertools import accumulate
 from typing import Callable
 
@@ -34,7 +33,7 @@ import torch
 
 from specdec.drafters.base import Proposal
 from specdec.drafters.model import ModelDrafter, common_prefix_length
-from specdec.vocabulary import IncompatibleVocabulary
+from specdec.vocabulary import IncompatibleVocabulary, TokenText
 from specdec.runtimes.base import Runner
 from specdec.sampling import SamplingConfig
 
@@ -45,33 +44,13 @@ SAMPLING_METHOD = "shared-vocabulary rejection sampling"
 def token_bytes(tokenizer, size: int) -> list[bytes | None]:
     """The bytes of each token id below size (None for ids the tokenizer does not have, such as output-layer rows
     padded beyond it). Special tokens are their text."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not _is_byte_level(json.loads(backend.to_str()).get("decoder")):
+    text = TokenText(tokenizer)
+    if not text.byte_level:
         raise IncompatibleVocabulary(
             f"drafting across vocabularies needs byte-level BPE tokenizers (GPT-2 style, as Qwen, Llama 3 and "
             f"SmolLM2 have), which {type(tokenizer).__name__} {getattr(tokenizer, 'name_or_path', '')!r} is not. Use "
             "a draft model with the target's tokenizer, or one with a byte-level BPE tokenizer")
-    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
-    added = {i: token.content for i, token in tokenizer.added_tokens_decoder.items()}
-    out: list[bytes | None] = []
-    for i in range(size):
-        if i in added:
-            out.append(added[i].encode())
-            continue
-        piece = backend.id_to_token(i)
-        out.append(None if piece is None else bytes(byte_of[c] for c in piece) if all(c in byte_of for c in piece)
-                   else piece.encode())
-    return out
-
-
-def _is_byte_level(decoder: dict | None) -> bool:
-    if not decoder:
-        return False
-    if decoder.get("type") == "Sequence":
-        return any(_is_byte_level(d) for d in decoder.get("decoders", []))
-    return decoder.get("type") == "ByteLevel"
+    return [text.piece_bytes(i) for i in range(size)]
 
 
 class Vocabularies:

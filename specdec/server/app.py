@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 
 from specdec.generator import DEFAULT_MAX_BATCH
 from specdec.requests import ContextLengthExceeded
+from specdec.vocabulary import TokenText
 from specdec.server.bodies import Body, ChatBody, CompletionBody
 from specdec.server.errors import APIError, internal_error, validation_error
 from specdec.server.limits import available_memory, choose_ctx_size
@@ -46,6 +47,7 @@ class Service:
         self.context = self.scheduler.batch.max_length  # tokens one request holds, prompt and completion
         self.metrics = Metrics(self.scheduler, generator.prompt_cache)
         self.created = int(time.time())
+        self.token_text = TokenText(generator.tokenizer)  # each token's bytes and text, as logprobs show them
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specdec",
@@ -55,6 +57,8 @@ class Service:
         if body.model != self.model_name:
             raise APIError(404, f"the model `{body.model}` does not exist: this server serves `{self.model_name}`",
                            "model", "model_not_found")
+        if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         if body.n not in (None, 1):
             raise APIError(400, f"n must be 1 (got {body.n}): this server returns one choice per request", "n")
         unsupported = body.unsupported()
@@ -75,7 +79,8 @@ class Service:
         earlier requests it may draw on (Service.tenant)."""
         settings = dict(temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k,
                         top_p=body.top_p, seed=body.seed,
-                        stop=[body.stop] if isinstance(body.stop, str) else body.stop or [])
+                        stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
+                        logprobs=body.logprobs_asked())
         try:
             return await run_in_threadpool(self.generator.request, prompt, max_tokens, chat=chat,
                                            max_length=self.context, tenant=tenant, **settings)
@@ -92,7 +97,8 @@ class Service:
         endpoint = request.url.path
         n_prompt = len(generation.prompt_ids)
         reply = Reply(chat, self.model_name, n_prompt, bool(body.return_token_ids),
-                      bool(body.return_speculation_stats))
+                      bool(body.return_speculation_stats),
+                      self.token_text if generation.logprobs is not None else None)
         turn = Turn(self.scheduler, self.scheduler.submit(generation, started),
                     on_first=lambda: self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started),
                     on_last=lambda stats: self.metrics.observe_generation(n_prompt, stats))
@@ -106,7 +112,7 @@ class Service:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return TurnStream(events(turn, first, reply, include_usage), turn)
-        texts, token_ids, last = [first.text], list(first.token_ids), first
+        texts, token_ids, logprobs, last = [first.text], list(first.token_ids), list(first.logprobs or []), first
         try:
             while last.finish_reason is None:
                 chunk = await turn.next(request)
@@ -114,10 +120,11 @@ class Service:
                     return Response(status_code=499)  # the client left: the scheduler drops it before its next cycle
                 texts.append(chunk.text)
                 token_ids += chunk.token_ids
+                logprobs += chunk.logprobs or []
                 last = chunk
         finally:
             turn.close()
-        return JSONResponse(reply.whole("".join(texts), token_ids, last))
+        return JSONResponse(reply.whole("".join(texts), token_ids, last, logprobs))
 
 
 def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | Sequence[str] | None = None,

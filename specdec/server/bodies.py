@@ -7,8 +7,11 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-# OpenAI options this server does not implement, with the values that leave them off: others are refused, not ignored.
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+from specdec.logprobs import MAX_TOP_LOGPROBS
+
+# OpenAI options this server does not implement, with the values that leave them off: others are refused, not ignored
+# (top_logprobs is chat's: a completion asks with logprobs=N).
+UNSUPPORTED = {"top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
                "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0),
                "frequency_penalty": (None, 0), "tools": (None, []), "functions": (None, []),
                "response_format": (None, {"type": "text"})}
@@ -35,6 +38,10 @@ class Body(BaseModel):
     return_token_ids: bool | None = None  # not OpenAI's: as vLLM, each choice also carries its "token_ids"
     return_speculation_stats: bool | None = None  # not OpenAI's: the answer carries its speculation stats, `specdec`
 
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives each token's log-probability comes with (None: no log-probabilities)."""
+        return None
+
     def unsupported(self) -> str | None:
         """The first OpenAI option this body turns on that the server does not implement, if any."""
         for name, value in (self.model_extra or {}).items():
@@ -45,6 +52,10 @@ class Body(BaseModel):
 
 class CompletionBody(Body):
     prompt: str | list[int]  # text, or token ids of the target's vocabulary
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each token's, with this many alternatives
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -66,3 +77,8 @@ class Message(BaseModel):
 class ChatBody(Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None  # each token's log-probability
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # with this many alternatives (needs logprobs)
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

@@ -22,9 +22,11 @@ from fastapi.responses import StreamingResponse
 from specdec.server.errors import APIError, generation_failed
 
 if TYPE_CHECKING:
+    from specdec.logprobs import TokenLogprob
     from specdec.metrics import SpecStats
     from specdec.output import Chunk
     from specdec.server.scheduler import Turn
+    from specdec.vocabulary import TokenText
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +39,33 @@ class Reply:
     prompt_tokens: int
     with_token_ids: bool = False  # each choice carries the ids of its tokens (return_token_ids)
     with_stats: bool = False  # the last chunk, or the whole answer, carries `specdec` (return_speculation_stats)
+    token_text: TokenText | None = None  # each token's text and bytes, where the request asks for logprobs
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self._offset = 0  # (completions) characters of the tokens' texts before the next token: its text_offset
+
+    def logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
+        """A choice's `logprobs` in its endpoint's shape for these tokens (None where they were not asked for)."""
+        if self.token_text is None:
+            return None
+        text = self.token_text
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                return {"token": text.text(token), "logprob": logprob, "bytes": list(text.bytes(token))}
+
+            return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(*alt) for alt in lp.top]}
+                                for lp in logprobs or []], "refusal": None}
+        tokens = [text.text(lp.token) for lp in logprobs or []]
+        offsets = []
+        for piece in tokens:
+            offsets.append(self._offset)
+            self._offset += len(piece)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs or []],
+                "top_logprobs": [{text.text(token): logprob for token, logprob in lp.top} for lp in logprobs or []],
+                "text_offset": offsets}
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
@@ -52,12 +76,14 @@ class Reply:
                 "total_tokens": self.prompt_tokens + stats.new_tokens,
                 "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}
 
-    def whole(self, text: str, token_ids: list[int], last: Chunk) -> dict:
+    def whole(self, text: str, token_ids: list[int], last: Chunk, logprobs: list[TokenLogprob] | None = None
+              ) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": last.finish_reason}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.logprobs(logprobs), "finish_reason": last.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
+                      "finish_reason": last.finish_reason}
         if self.with_token_ids:
             choice["token_ids"] = token_ids
         return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
@@ -70,9 +96,11 @@ class Reply:
         """A stream's chunk; the last one of text carries the stats, where asked for and no usage chunk follows."""
         if self.chat:
             delta = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": chunk.finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(chunk.logprobs),
+                      "finish_reason": chunk.finish_reason}
         else:
-            choice = {"index": 0, "text": chunk.text, "logprobs": None, "finish_reason": chunk.finish_reason}
+            choice = {"index": 0, "text": chunk.text, "logprobs": self.logprobs(chunk.logprobs),
+                      "finish_reason": chunk.finish_reason}
         if self.with_token_ids:
             choice["token_ids"] = chunk.token_ids
         extra = self._stats(chunk.stats) if last else {}
