@@ -252,7 +252,8 @@ class Batch:
             decoding = Decoding(runner, drafter, torch.tensor([request.prompt_ids]), k=k,
                                 max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                                 generator=make_generator(request.seed), eos_ids=gen.eos_ids, stats=stats,
-                                pinned_k=request.seeded_sample, prefill_now=False, logprobs=request.logprobs)
+                                pinned_k=request.seeded_sample, prefill_now=False, logprobs=request.logprobs,
+                                adjust=request.adjust)
         except BaseException:
             if runner is not None:
                 runner.close()

@@ -14,6 +14,7 @@ from typing import Iterator, Protocol
 
 import torch
 
+from specdec.adjust import LogitAdjust
 from specdec.drafters.base import Drafter, Proposal
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.metrics import SpecStats
@@ -67,13 +68,14 @@ class Decoding:
     def __init__(self, target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
                  max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator,
                  eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None, pinned_k: bool = False,
-                 prefill_now: bool = True, logprobs: int | None = None):
+                 prefill_now: bool = True, logprobs: int | None = None, adjust: LogitAdjust | None = None):
         """Prefills the prompt [1, n] (its last row gives p for the first new token): at once, or with prefill_now
         False pass by pass through prefill_step() (a batch runs other sequences' cycles between the passes); with no
         token to generate, nothing is evaluated. pinned_k: in a batch, draft as this decoding would alone (see
         batching.batch_cycle). logprobs: each Step carries its tokens' log-probabilities with this many alternatives
-        (None: none)."""
-        self.pinned_k, self.logprobs = pinned_k, logprobs
+        (None: none). adjust: the logit bias and penalties applied to every row before verification."""
+        self.pinned_k, self.logprobs, self.adjust = pinned_k, logprobs, adjust
+        self.n_prompt = prompt_ids.shape[1]
         self.target, self.drafter, self.k = target, drafter, k
         self.max_new_tokens, self.sampling, self.generator, self.eos_ids = max_new_tokens, sampling, generator, eos_ids
         self.stats = stats if stats is not None else SpecStats()
@@ -208,6 +210,9 @@ class Decoding:
                 self.pending = None
             else:
                 calls = 1
+            raw = logits  # (what logprobs report: the model's own distribution)
+            if self.adjust is not None:  # row j follows the tokens generated so far and the first j draft tokens
+                logits = self.adjust.rows(logits[0], self.context[0, self.n_prompt:].tolist(), draft[0].tolist())[None]
             if self.sampling.greedy:
                 tokens, n_accepted = greedy_verify(draft, logits)  # [1, n_draft + 1], [1]
             else:
@@ -230,7 +235,7 @@ class Decoding:
 
         step = _truncate(tokens[0, : n_accepted + 1].tolist(), n_authored, self._budget, self.eos_ids)
         if self.logprobs is not None:  # (the rows of this cycle's committed tokens: row i gave token i)
-            step = replace(step, logprobs=token_logprobs(logits[0], step.tokens, self.logprobs))
+            step = replace(step, logprobs=token_logprobs(raw[0], step.tokens, self.logprobs))
         self.context = torch.cat([self.context, tokens[:, : len(step.tokens)]], dim=1)
         self.emitted += len(step.tokens)
         stats.new_tokens = self.emitted

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.adjust import LogitAdjust
 from specdec.logprobs import check_top
 from specdec.sampling import SamplingConfig
 
@@ -46,6 +47,7 @@ class Request:
     # history): those of the same tenant only; None, the one tenant of a server without keys or that shares them.
     tenant: str | None = None
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
+    adjust: LogitAdjust | None = None  # a logit bias and penalties on the target's logits (specdec.adjust)
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -982,6 +982,22 @@ def test_logprobs_under_speculation_are_target_only_decodings_bit_for_bit(model,
     assert gen.generate(prompt, max_new_tokens=40, logprobs=5).logprobs != alone.logprobs
 
 
+def test_penalties_under_speculation_answer_as_target_only_decoding_alone_and_batched(model, baseline):
+    """A repetitive prompt whose lookups draft repeats that the frequency penalty turns the target from: greedy
+    answers with the penalties equal target-only decoding's with them, alone and in a fused batch."""
+    from specdec.adjust import LogitAdjust
+
+    target, tokenizer = model
+    prompt, adjust = "red, green, blue, yellow, " * 6, LogitAdjust(presence=0.3, frequency=0.4)
+    alone = baseline.generate(prompt, max_new_tokens=40, adjust=adjust)
+    assert alone.token_ids != baseline.generate(prompt, max_new_tokens=40).token_ids
+    gen = SpeculativeGenerator(target, "suffix", k=4, tokenizer=tokenizer, prompt_cache=0)
+    out = gen.generate(prompt, max_new_tokens=40, adjust=adjust)
+    assert out.token_ids == alone.token_ids and out.stats.drafted_tokens > 0
+    together = gen.generate_many([prompt, PROMPTS[1]], 40, adjust=adjust)
+    assert together[0].token_ids == alone.token_ids
+
+
 def test_a_failed_load_or_pass_says_what_llama_cpp_reported(model, tmp_path):
     """llama.cpp reports its reasons only through its log; a failure says them, not only that it failed."""
     from specdec.runtimes.llamacpp import context

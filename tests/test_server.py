@@ -17,6 +17,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import SpeculativeGenerator, server
+from specdec.adjust import LogitAdjust
 from specdec.logprobs import token_logprobs
 from specdec.runtimes import runtime_of
 from specdec.server import create_app
@@ -139,6 +140,54 @@ def test_logprobs_are_those_of_one_token_decoding_greedy_and_sampled(generator, 
     monkeypatch.undo()
     assert off.logprobs != one_token_logprobs(generator, ids, off.token_ids, 3)
     assert generator.generate(prompt, max_new_tokens=24, logprobs=3).logprobs == outs[0.0].logprobs
+
+
+def one_token_decoding(generator, prompt_ids: list[int], n: int, adjust: LogitAdjust) -> list[int]:
+    """Greedy plain decoding with a logit bias and penalties: a pass a token, each row adjusted for what came before."""
+    runner = runtime_of(generator.target).pool(generator.target).take(generator.vocab_size)
+    try:
+        row, out = runner.forward(torch.tensor([prompt_ids]), last_only=True)[0, -1], []
+        while len(out) < n:
+            token = int(adjust.rows(row[None], out, [])[0].argmax())
+            if token in generator.eos_ids:
+                break
+            out.append(token)
+            row = runner.forward(torch.tensor([[token]]))[0, -1]
+    finally:
+        runner.close()
+    return out
+
+
+def test_logit_bias_and_penalties_apply_at_every_draft_position_as_one_token_decoding_does(generator, monkeypatch):
+    """The penalty at a draft position counts the draft tokens before it: greedy output with a bias and presence and
+    frequency penalties equals plain decoding's with them, with drafts accepted. Negative control: penalties that
+    count only the tokens committed before the pass change the answer."""
+    ids = generator.encode("abcab")
+    plain = generator.generate("abcab", max_new_tokens=30)
+    adjust = LogitAdjust(bias=((plain.token_ids[0], -100.0),), presence=0.6, frequency=1.2)
+    expected = one_token_decoding(generator, ids, 30, adjust)
+    out = generator.generate("abcab", max_new_tokens=30, adjust=adjust)
+    assert out.token_ids == expected and out.stats.accepted_tokens > 5
+    assert plain.token_ids[0] not in out.token_ids and out.token_ids != plain.token_ids[:len(out.token_ids)]
+    rows = LogitAdjust.rows
+    monkeypatch.setattr(LogitAdjust, "rows", lambda self, logits, generated, fed: torch.cat(
+        [rows(self, logits[j:j + 1], generated, []) for j in range(logits.shape[0])]))
+    assert generator.generate("abcab", max_new_tokens=30, adjust=adjust).token_ids != expected
+
+
+def test_logit_bias_and_penalties_through_the_official_client_are_generates(client, url, generator):
+    plain = generator.generate("abcab", max_new_tokens=20)
+    adjust = LogitAdjust(bias=((plain.token_ids[0], -100.0), (plain.token_ids[1], 5.0)), presence=0.5, frequency=1.0)
+    expected = generator.generate("abcab", max_new_tokens=20, adjust=adjust).text
+    out = client.completions.create(model=MODEL, prompt="abcab", max_tokens=20, temperature=0,
+                                    logit_bias={str(token): bias for token, bias in adjust.bias},
+                                    presence_penalty=0.5, frequency_penalty=1.0)
+    assert out.choices[0].text == expected != plain.text
+    for body, says in [({"logit_bias": {"abc": 1}}, "token ids"), ({"logit_bias": {"100000": 1}}, "beyond"),
+                       ({"logit_bias": {"3": 101}}, "logit_bias"), ({"presence_penalty": 2.5}, "presence_penalty"),
+                       ({"frequency_penalty": "1"}, "frequency_penalty")]:
+        reply = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "hi", **body})
+        assert reply.status_code == 400 and says in json.dumps(reply.json()), (body, reply.text)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -77,10 +77,16 @@ class Service:
         are blocking work: the event loop keeps answering meanwhile). max_tokens None: what the context has room for.
         A request that cannot fit in the context (--ctx-size) is refused here, with what to change. tenant: whose
         earlier requests it may draw on (Service.tenant)."""
+        try:
+            adjust = body.adjust()
+            if adjust is not None:
+                adjust.check_vocab(self.generator.vocab_size)
+        except ValueError as error:
+            raise APIError(400, str(error), "logit_bias") from error
         settings = dict(temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k,
                         top_p=body.top_p, seed=body.seed,
                         stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
-                        logprobs=body.logprobs_asked())
+                        logprobs=body.logprobs_asked(), adjust=adjust)
         try:
             return await run_in_threadpool(self.generator.request, prompt, max_tokens, chat=chat,
                                            max_length=self.context, tenant=tenant, **settings)

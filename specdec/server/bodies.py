@@ -7,13 +7,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdec.adjust import MAX_BIAS, MAX_PENALTY, LogitAdjust
 from specdec.logprobs import MAX_TOP_LOGPROBS
 
 # OpenAI options this server does not implement, with the values that leave them off: others are refused, not ignored
 # (top_logprobs is chat's: a completion asks with logprobs=N).
 UNSUPPORTED = {"top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0),
-               "frequency_penalty": (None, 0), "tools": (None, []), "functions": (None, []),
+               "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
                "response_format": (None, {"type": "text"})}
 
 
@@ -37,6 +37,20 @@ class Body(BaseModel):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None  # not OpenAI's: as vLLM, each choice also carries its "token_ids"
     return_speculation_stats: bool | None = None  # not OpenAI's: the answer carries its speculation stats, `specdec`
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None  # token id -> bias
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+
+    def adjust(self) -> LogitAdjust | None:
+        """The logit bias and penalties asked for (None: none). A key that is not a token id: ValueError."""
+        bias = self.logit_bias or {}
+        if any(not key.isdigit() for key in bias):
+            raise ValueError(f"logit_bias maps token ids (as strings of digits) to biases; got the key(s) "
+                             f"{[key for key in bias if not key.isdigit()][:3]}")
+        if not (bias or self.presence_penalty or self.frequency_penalty):
+            return None
+        return LogitAdjust(tuple((int(key), value) for key, value in bias.items()), self.presence_penalty or 0.0,
+                           self.frequency_penalty or 0.0)
 
     def logprobs_asked(self) -> int | None:
         """How many alternatives each token's log-probability comes with (None: no log-probabilities)."""
