@@ -21,6 +21,7 @@ import torch
 
 from specdec.adaptive import K_MAX, expected_tokens, make_k_policy
 from specdec.engine import Decoding, Step
+from specdec.grammar import Constraint
 from specdec.metrics import SpecStats
 from specdec.output import Chunk, Output
 from specdec.requests import Request
@@ -249,11 +250,12 @@ class Batch:
             runner = self.pool(gen.target).take(gen.vocab_size, tenant)
             k = _k_policy(request, drafter, gen.k_priors())
             stats = SpecStats()
+            constraint = Constraint(request.grammar, gen.grammar_tokenizer()) if request.grammar else None
             decoding = Decoding(runner, drafter, torch.tensor([request.prompt_ids]), k=k,
                                 max_new_tokens=request.max_new_tokens, sampling=request.sampling,
                                 generator=make_generator(request.seed), eos_ids=gen.eos_ids, stats=stats,
                                 pinned_k=request.seeded_sample, prefill_now=False, logprobs=request.logprobs,
-                                adjust=request.adjust)
+                                adjust=request.adjust, constraint=constraint)
         except BaseException:
             if runner is not None:
                 runner.close()

@@ -15,7 +15,9 @@ from typing import Iterator, Protocol
 import torch
 
 from specdec.adjust import LogitAdjust
+from specdec import grammar
 from specdec.drafters.base import Drafter, Proposal
+from specdec.grammar import Constraint
 from specdec.logprobs import TokenLogprob, token_logprobs
 from specdec.metrics import SpecStats
 from specdec.runtimes.base import Runner, prefill
@@ -40,7 +42,8 @@ class Step:
 
 def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
                        max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator,
-                       eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None) -> Iterator[Step]:
+                       eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None,
+                       constraint: Constraint | None = None) -> Iterator[Step]:
     """Yield the tokens of prompt_ids [1, n] continued by the target, as each cycle commits them.
 
     k chooses the number of draft tokens each cycle (specdec.adaptive: FixedK, AdaptiveK).
@@ -52,7 +55,7 @@ def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tenso
     (or on the context length) says how wide a pass may be (verify_width), and no cycle drafts beyond it.
     """
     decoding = Decoding(target, drafter, prompt_ids, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-                        generator=generator, eos_ids=eos_ids, stats=stats)
+                        generator=generator, eos_ids=eos_ids, stats=stats, constraint=constraint)
     while not decoding.done:
         feed = decoding.propose()  # [1, n]: the newest committed token and the draft
         started = time.perf_counter()
@@ -68,13 +71,15 @@ class Decoding:
     def __init__(self, target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
                  max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator,
                  eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None, pinned_k: bool = False,
-                 prefill_now: bool = True, logprobs: int | None = None, adjust: LogitAdjust | None = None):
+                 prefill_now: bool = True, logprobs: int | None = None, adjust: LogitAdjust | None = None,
+                 constraint: Constraint | None = None):
         """Prefills the prompt [1, n] (its last row gives p for the first new token): at once, or with prefill_now
         False pass by pass through prefill_step() (a batch runs other sequences' cycles between the passes); with no
         token to generate, nothing is evaluated. pinned_k: in a batch, draft as this decoding would alone (see
         batching.batch_cycle). logprobs: each Step carries its tokens' log-probabilities with this many alternatives
-        (None: none). adjust: the logit bias and penalties applied to every row before verification."""
-        self.pinned_k, self.logprobs, self.adjust = pinned_k, logprobs, adjust
+        (None: none). adjust: the logit bias and penalties applied to every row before verification; constraint: the
+        grammar whose mask every row gets before verification (specdec.grammar)."""
+        self.pinned_k, self.logprobs, self.adjust, self.constraint = pinned_k, logprobs, adjust, constraint
         self.n_prompt = prompt_ids.shape[1]
         self.target, self.drafter, self.k = target, drafter, k
         self.max_new_tokens, self.sampling, self.generator, self.eos_ids = max_new_tokens, sampling, generator, eos_ids
@@ -213,6 +218,10 @@ class Decoding:
             raw = logits  # (what logprobs report: the model's own distribution)
             if self.adjust is not None:  # row j follows the tokens generated so far and the first j draft tokens
                 logits = self.adjust.rows(logits[0], self.context[0, self.n_prompt:].tolist(), draft[0].tolist())[None]
+            if self.constraint is not None:  # row j masked as after the first j draft tokens
+                tick = time.perf_counter()
+                logits = grammar.apply(logits[0], self.constraint.masks(draft[0].tolist(), logits.shape[1]))[None]
+                stats.grammar_s += time.perf_counter() - tick
             if self.sampling.greedy:
                 tokens, n_accepted = greedy_verify(draft, logits)  # [1, n_draft + 1], [1]
             else:
@@ -234,6 +243,8 @@ class Decoding:
         stats.drafter_counts.update(proposal.counts)
 
         step = _truncate(tokens[0, : n_accepted + 1].tolist(), n_authored, self._budget, self.eos_ids)
+        if self.constraint is not None:
+            self.constraint.commit(step.tokens)
         if self.logprobs is not None:  # (the rows of this cycle's committed tokens: row i gave token i)
             step = replace(step, logprobs=token_logprobs(raw[0], step.tokens, self.logprobs))
         self.context = torch.cat([self.context, tokens[:, : len(step.tokens)]], dim=1)

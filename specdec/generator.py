@@ -12,6 +12,7 @@ import torch
 
 from specdec.adaptive import make_k_policy
 from specdec.adjust import LogitAdjust
+from specdec.grammar import Grammar, GrammarTokenizer
 from specdec.batching import Batch
 from specdec.batching import Generation
 from specdec.drafters import CrossVocabDrafter, Drafter, ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
@@ -67,6 +68,7 @@ class SpeculativeGenerator:
         self.runtime.check_rollback(self.target)
         self.runtime.prepare_as_target(self.target)
         self.vocab_size = own_vocab_size(self.target, self.tokenizer)
+        self._grammar_tokenizer: GrammarTokenizer | None = None
         info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype, draft_quantization, self.runtime,
                           threads)
         self.drafter, self.draft = build_drafter(draft, info, draft_tokenizer)
@@ -194,22 +196,27 @@ class SpeculativeGenerator:
     def request(self, prompt, max_new_tokens: int | None = 128, temperature: float = 0.0, top_k: int | None = None,
                 top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (), chat: bool = False,
                 k: int | str | None = None, max_length: int | None = None, tenant: str | None = None,
-                logprobs: int | None = None, adjust: LogitAdjust | None = None) -> Request:
+                logprobs: int | None = None, adjust: LogitAdjust | None = None,
+                grammar: Grammar | None = None) -> Request:
         """One request, built and checked: the prompt encoded (see encode), the settings validated, and prompt plus
         max_new_tokens checked against max_length (default: the target's context), the tokens one sequence holds.
         max_new_tokens None: as many as the context has room for. Raises ValueError (ContextLengthExceeded when it
         does not fit). tenant: whose earlier requests it may draw on (Request.tenant). logprobs: each new token's
         log-probability and this many most likely alternatives (specdec.logprobs; None: none). adjust: a logit bias
         and presence and frequency penalties (specdec.adjust.LogitAdjust), applied to the target's logits at every
-        position, draft positions included, before sampling."""
+        position, draft positions included, before sampling. grammar: what the output must follow (specdec.grammar:
+        Grammar.json_schema(...), .json_object(), .regex(...), .lark(...)), every row masked by it."""
         limit = self.context_length if max_length is None else max_length
         ids = self.encode(prompt, chat)
         if max_new_tokens is None:
             max_new_tokens = max(limit - len(ids), 0)
         request = Request(tuple(ids), max_new_tokens, SamplingConfig(temperature, top_k, top_p), seed,
-                          tuple(s for s in stop if s), self.k if k is None else k, tenant, logprobs, adjust)
+                          tuple(s for s in stop if s), self.k if k is None else k, tenant, logprobs, adjust,
+                          grammar)
         if adjust is not None:
             adjust.check_vocab(self.vocab_size)
+        if grammar is not None:
+            self.grammar_tokenizer()  # (built now, off the decoding thread; a tokenizer it cannot read is refused)
         make_k_policy(request.k)  # a bad k is refused here, not at the first cycle
         request.check_fits(limit)
         return request
@@ -217,12 +224,13 @@ class SpeculativeGenerator:
     def stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
                chat: bool = False, k: int | str | None = None, tenant: str | None = None,
-               logprobs: int | None = None, adjust: LogitAdjust | None = None) -> Iterator[Chunk]:
+               logprobs: int | None = None, adjust: LogitAdjust | None = None,
+               grammar: Grammar | None = None) -> Iterator[Chunk]:
         """Yield chunks of new text as soon as each cycle commits them; the last chunk carries the stats. tenant:
-        whose earlier requests it may draw on (Request.tenant); logprobs: as generate's, on each chunk; adjust: as
-        generate's."""
+        whose earlier requests it may draw on (Request.tenant); logprobs: as generate's, on each chunk; adjust,
+        grammar: as generate's."""
         yield from self.decode(self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k,
-                                            tenant=tenant, logprobs=logprobs, adjust=adjust))
+                                            tenant=tenant, logprobs=logprobs, adjust=adjust, grammar=grammar))
 
     def decode(self, request: Request) -> Iterator[Chunk]:
         """One request's chunks as each cycle commits them, decoded in a batch of one."""
@@ -249,14 +257,16 @@ class SpeculativeGenerator:
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (),
                  chat: bool = False, k: int | str | None = None, tenant: str | None = None,
-                 logprobs: int | None = None, adjust: LogitAdjust | None = None) -> GenerationResult:
+                 logprobs: int | None = None, adjust: LogitAdjust | None = None,
+                 grammar: Grammar | None = None) -> GenerationResult:
         """Generate up to max_new_tokens after the prompt (text or token ids). temperature 0 is greedy. tenant: whose
         earlier requests it may draw on, its cached prompts and the suffix lookup's history (Request.tenant; None:
         those of every other request without a tenant). logprobs: the result carries each new token's
         log-probability under the target and this many most likely alternatives at its position (0-20; None: none),
-        bit for bit those of target-only decoding. adjust: a logit bias and penalties (request)."""
+        bit for bit those of target-only decoding. adjust: a logit bias and penalties; grammar: what the output must
+        follow (both: see request)."""
         request = self.request(prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat, k, tenant=tenant,
-                               logprobs=logprobs, adjust=adjust)
+                               logprobs=logprobs, adjust=adjust, grammar=grammar)
         for sequence, _ in self._decode_alone(request):
             pass
         return sequence.output.result()
@@ -264,7 +274,8 @@ class SpeculativeGenerator:
     def generate_many(self, prompts: Sequence, max_new_tokens: int = 128, temperature: float = 0.0,
                       top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                       stop: Sequence[str] = (), chat: bool = False, max_batch: int = DEFAULT_MAX_BATCH,
-                      logprobs: int | None = None, adjust: LogitAdjust | None = None) -> list[GenerationResult]:
+                      logprobs: int | None = None, adjust: LogitAdjust | None = None,
+                      grammar: Grammar | None = None) -> list[GenerationResult]:
         """Generate for several prompts at once: each cycle, every unfinished prompt drafts on its own and one target
         pass verifies all of their drafts (batched speculative decoding: fused on llama.cpp; other runtimes take
         turns within the cycle).
@@ -274,10 +285,12 @@ class SpeculativeGenerator:
         seeded sample is the one generate(prompt, seed=seed + index) gives. A pass holds at most the target's
         calibrated batch width of tokens, within which every token's logits are those of a one-token pass of its own
         sequence; prompts draft within their share of it (a seeded sample drafts as it would alone), and what does
-        not fit takes further passes. Results come in the order of the prompts. logprobs, adjust: as generate's.
+        not fit takes further passes. Results come in the order of the prompts. logprobs, adjust, grammar: as
+        generate's.
         """
         requests = [self.request(prompt, max_new_tokens, temperature, top_k, top_p,
-                                 None if seed is None else seed + i, stop, chat, logprobs=logprobs, adjust=adjust)
+                                 None if seed is None else seed + i, stop, chat, logprobs=logprobs, adjust=adjust,
+                                 grammar=grammar)
                     for i, prompt in enumerate(prompts)]
         batch = Batch(self, max_batch=max(1, min(max_batch, len(requests))))
         sequences, pending = [], list(requests)
@@ -291,6 +304,12 @@ class SpeculativeGenerator:
         finally:
             batch.close()
         return [sequence.output.result() for sequence in sequences]
+
+    def grammar_tokenizer(self) -> GrammarTokenizer:
+        """The target's tokenizer as the grammars read it (built at the first constrained request, then kept)."""
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammar_tokenizer
 
     @property
     def context_length(self) -> int:

@@ -35,6 +35,7 @@ class SpecStats:
     prompt_cache_s: float = 0.0  # of prefill_s: the prompt cache's bookkeeping (lookup, joining, cutting, storing)
     draft_s: float = 0.0
     verify_s: float = 0.0
+    grammar_s: float = 0.0  # a grammar's masks (specdec.grammar), outside draft_s and verify_s
     total_s: float = 0.0
 
     def observe(self, n_drafted: int, n_accepted: int, drafter: str = "drafter") -> None:
@@ -94,7 +95,8 @@ class SpecStats:
                 "prompt_cache": self.prompt_cache_s,
                 "draft": self.draft_s,
                 "verify": self.verify_s,
-                "other": max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s),
+                "grammar": self.grammar_s,
+                "other": max(0.0, self.total_s - self.prefill_s - self.draft_s - self.verify_s - self.grammar_s),
                 "total": self.total_s,
             },
         }

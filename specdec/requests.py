@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.adjust import LogitAdjust
+from specdec.grammar import Grammar
 from specdec.logprobs import check_top
 from specdec.sampling import SamplingConfig
 
@@ -48,6 +49,7 @@ class Request:
     tenant: str | None = None
     logprobs: int | None = None  # each token's log-probability and this many alternatives (None: none)
     adjust: LogitAdjust | None = None  # a logit bias and penalties on the target's logits (specdec.adjust)
+    grammar: Grammar | None = None  # what the output must follow (specdec.grammar: a JSON schema, a regex, ...)
 
     def __post_init__(self):
         if not self.prompt_ids:

@@ -6,6 +6,8 @@ SPECDEC_REQUIRE_REAL_MODELS=1 (`make test`), where that is a failure.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -996,6 +998,82 @@ def test_penalties_under_speculation_answer_as_target_only_decoding_alone_and_ba
     assert out.token_ids == alone.token_ids and out.stats.drafted_tokens > 0
     together = gen.generate_many([prompt, PROMPTS[1]], 40, adjust=adjust)
     assert together[0].token_ids == alone.token_ids
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                          "languages": {"type": "array", "items": {"type": "string"}}},
+          "required": ["name", "age", "languages"], "additionalProperties": False}
+PERSON_PROMPT = [{"role": "user", "content": "Alice is 31 and speaks French and German. Give her name, age and "
+                                            "languages as JSON."}]
+
+
+def test_json_schema_output_under_speculation_is_target_only_constrained_decodings_and_validates(model, baseline,
+                                                                                                monkeypatch):
+    """Greedy constrained decoding with drafts (suffix lookups of the prompt's words, some of which the schema
+    forbids where they are proposed) gives target-only constrained decoding's tokens, alone and in a batch, and the
+    output validates against the schema. Negative control: rows of a pass masked as its first row break it."""
+    import jsonschema
+
+    from specdec import grammar
+    from specdec.grammar import Grammar
+
+    target, tokenizer = model
+    schema = Grammar.json_schema(PERSON, "person")
+    alone = baseline.generate(PERSON_PROMPT, chat=True, max_new_tokens=80, grammar=schema)
+    jsonschema.validate(json.loads(alone.text), PERSON)
+    assert alone.finish_reason == "stop"
+    gen = SpeculativeGenerator(target, "suffix", k=4, tokenizer=tokenizer, prompt_cache=0)
+    out = gen.generate(PERSON_PROMPT, chat=True, max_new_tokens=80, grammar=schema)
+    assert out.token_ids == alone.token_ids and out.stats.accepted_tokens > 0
+    together = gen.generate_many([PERSON_PROMPT, PERSON_PROMPT[:0] + [{"role": "user", "content": "Hi"}]], 80,
+                                 chat=True, grammar=schema)
+    assert together[0].token_ids == alone.token_ids
+    if together[1].finish_reason == "stop":  # (else cut at max_new_tokens: the start of a valid object)
+        jsonschema.validate(json.loads(together[1].text), PERSON)
+    masks = grammar.Constraint.masks
+    monkeypatch.setattr(grammar.Constraint, "masks", lambda self, fed, rows: masks(self, [], 1).expand(rows, -1))
+    try:
+        wrong = gen.generate(PERSON_PROMPT, chat=True, max_new_tokens=80, grammar=schema).token_ids
+    except grammar.GrammarError:  # it committed a token the grammar forbids
+        wrong = None
+    assert wrong != alone.token_ids
+
+
+def test_response_format_through_the_official_client_answers_valid_json_streamed_or_not(model, baseline):
+    import jsonschema
+    import openai
+
+    from conftest import serve
+    from specdec.grammar import Grammar
+    from specdec.server import create_app
+
+    target, tokenizer = model
+    gen = SpeculativeGenerator(target, "suffix", k=4, tokenizer=tokenizer, prompt_cache=0)
+    expected = baseline.generate(PERSON_PROMPT, chat=True, max_new_tokens=80,
+                                 grammar=Grammar.json_schema(PERSON, "person")).text
+    formats = {"json_schema": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON,
+                                                                      "strict": True}},
+               "json_object": {"type": "json_object"}}
+    with serve(create_app(gen, "smollm")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for stream in (False, True):
+            reply = client.chat.completions.create(model="smollm", messages=PERSON_PROMPT, max_tokens=80,
+                                                   temperature=0, response_format=formats["json_schema"],
+                                                   stream=stream)
+            text = ("".join(c.choices[0].delta.content or "" for c in reply if c.choices) if stream
+                    else reply.choices[0].message.content)
+            assert text == expected
+            jsonschema.validate(json.loads(text), PERSON)
+        reply = client.chat.completions.create(model="smollm", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=60, temperature=0.7, seed=1,
+                                               response_format=formats["json_object"])
+        assert reply.choices[0].finish_reason == "length" or isinstance(json.loads(reply.choices[0].message.content),
+                                                                          dict)
+        for bad, says in [({"type": "json_schema"}, "json_schema"), ({"type": "yaml"}, "json_object"),
+                          ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}, "schema")]:
+            with pytest.raises(openai.BadRequestError, match=says):
+                client.chat.completions.create(model="smollm", messages=PERSON_PROMPT, max_tokens=8,
+                                               response_format=bad)
 
 
 def test_a_failed_load_or_pass_says_what_llama_cpp_reported(model, tmp_path):

@@ -7,6 +7,7 @@ target's distribution over every 2-3 token continuation can be enumerated and co
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from specdec.adaptive import FixedK
 from specdec.drafters import Drafter, Proposal
 from specdec.sampling import SamplingConfig, logits_to_probs, make_generator, sample
 
-from conftest import (ALPHA, DRAWS, PROMPT, VOCAB, ToyRunner, chi_square_p_value, sample_sequences,
+from conftest import (ALPHA, DRAWS, PROMPT, VOCAB, ToyRunner, chi_square_p_value, reference_probs, sample_sequences,
                       target_distribution, toy_draft_model)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -205,3 +206,60 @@ def test_negative_control_cross_vocabulary_q_not_renormalised_is_detected():
     expected = target_distribution(ToyRunner(VOCAB, seed=0), 3, sampling)
     counts = sample_sequences(lambda: cross_vocab_drafter(Unrenormalised), 2, 3, sampling)
     assert chi_square_p_value(counts, expected) < ALPHA
+
+
+class NoRepeat:
+    """A toy grammar over token ids, with specdec.grammar.Constraint's interface: no token twice in a row. Its mask
+    at a position depends on the token before it, so at a draft position on the draft token before (ignore_draft:
+    the mistake of masking every row of a pass as its first, which the test must catch)."""
+
+    def __init__(self, last: int, ignore_draft: bool = False):
+        self.last, self.ignore_draft = last, ignore_draft
+
+    def masks(self, fed: list[int], rows: int) -> torch.Tensor:
+        before = [self.last] + ([self.last] * len(fed) if self.ignore_draft else list(fed))
+        allowed = torch.ones(rows, VOCAB, dtype=torch.bool)
+        for j in range(rows):
+            allowed[j, before[j]] = False
+        return allowed
+
+    def commit(self, tokens: list[int]) -> None:
+        self.last = tokens[-1] if tokens else self.last
+
+
+def constrained_distribution(n_new: int, sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
+    """Exact probability of every n_new-token continuation of PROMPT when no token may repeat the one before."""
+    runner, out = ToyRunner(VOCAB, seed=0), {}
+    for seq in itertools.product(range(VOCAB), repeat=n_new):
+        prob, before = 1.0, PROMPT[-1]
+        for i, token in enumerate(seq):
+            logits = runner.logits_after(tuple(PROMPT) + seq[:i]).clone()
+            logits[before] = float("-inf")
+            prob *= reference_probs(logits, sampling)[token]
+            before = token
+        out[seq] = prob
+    return out
+
+
+@pytest.mark.parametrize("ignore_draft", [False, True])
+def test_constrained_sampling_matches_the_masked_target_distribution(ignore_draft):
+    """A grammar's target distribution is the masked one, and a draft position is masked as after the draft tokens
+    before it: speculative samples under a toy grammar follow the exactly enumerated masked distribution (draft model
+    and k=2, 3 tokens). Negative control: rows masked as the pass's first are caught."""
+    sampling, n_new = SamplingConfig(temperature=1.0), 3
+    expected = constrained_distribution(n_new, sampling)
+    generator, drafter, counts = make_generator(99), toy_draft_model(), {}
+    for _ in range(DRAWS):
+        steps = specdec.engine.speculative_decode(
+            ToyRunner(VOCAB, seed=0), drafter, torch.tensor([PROMPT]), k=FixedK(2), max_new_tokens=n_new,
+            sampling=sampling, generator=generator, constraint=NoRepeat(PROMPT[-1], ignore_draft))
+        seq = tuple(t for step in steps for t in step.tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    if not ignore_draft:
+        assert chi_square_p_value(counts, expected) > ALPHA
+        return
+    try:
+        passed = chi_square_p_value(counts, expected) > ALPHA
+    except AssertionError:  # it sampled a sequence the grammar forbids
+        passed = False
+    assert not passed

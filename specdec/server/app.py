@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
+from specdec import grammar
 from specdec.generator import DEFAULT_MAX_BATCH
 from specdec.requests import ContextLengthExceeded
 from specdec.vocabulary import TokenText
@@ -83,16 +84,22 @@ class Service:
                 adjust.check_vocab(self.generator.vocab_size)
         except ValueError as error:
             raise APIError(400, str(error), "logit_bias") from error
+        try:
+            constrained = grammar.schema_of(body.response_format) if body.response_format else None
+        except grammar.GrammarError as error:
+            raise APIError(400, str(error), "response_format") from error
         settings = dict(temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k,
                         top_p=body.top_p, seed=body.seed,
                         stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
-                        logprobs=body.logprobs_asked(), adjust=adjust)
+                        logprobs=body.logprobs_asked(), adjust=adjust, grammar=constrained)
         try:
             return await run_in_threadpool(self.generator.request, prompt, max_tokens, chat=chat,
                                            max_length=self.context, tenant=tenant, **settings)
         except ContextLengthExceeded as error:
             raise APIError(400, str(error), param if error.prompt_too_long else "max_tokens",
                            "context_length_exceeded") from error
+        except grammar.GrammarError as error:
+            raise APIError(400, str(error), "response_format") from error
         except (ValueError, TypeError, UnicodeError) as error:  # TypeError: text the tokenizer cannot take
             raise APIError(400, f"the {param} cannot be used: {error}", param) from error
 

@@ -13,8 +13,7 @@ from specdec.logprobs import MAX_TOP_LOGPROBS
 # OpenAI options this server does not implement, with the values that leave them off: others are refused, not ignored
 # (top_logprobs is chat's: a completion asks with logprobs=N).
 UNSUPPORTED = {"top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "suffix": (None, ""), "tools": (None, []), "functions": (None, []),
-               "response_format": (None, {"type": "text"})}
+               "suffix": (None, ""), "tools": (None, []), "functions": (None, [])}
 
 
 class StreamOptions(BaseModel):
@@ -38,6 +37,7 @@ class Body(BaseModel):
     return_token_ids: bool | None = None  # not OpenAI's: as vLLM, each choice also carries its "token_ids"
     return_speculation_stats: bool | None = None  # not OpenAI's: the answer carries its speculation stats, `specdec`
     logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = None  # token id -> bias
+    response_format: dict | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
 
