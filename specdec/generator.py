@@ -127,16 +127,18 @@ class SpeculativeGenerator:
                                                                            ("draft", self.draft)) if model is not None}
         return {role: plan for role, plan in plans.items() if plan is not None}
 
-    def encode(self, prompt: str | Sequence[int] | torch.Tensor | Sequence[dict], chat: bool = False) -> list[int]:
+    def encode(self, prompt: str | Sequence[int] | torch.Tensor | Sequence[dict], chat: bool = False,
+               tools: list[dict] | None = None) -> list[int]:
         """A prompt -> its token ids. prompt: text, token ids, or (chat) a list of {"role", "content"} messages.
-        chat=True applies the target's chat template (to text: as one user message)."""
+        chat=True applies the target's chat template (to text: as one user message), with the tools (OpenAI's
+        [{"type": "function", "function": {...}}]) it offers the model, if any."""
         if chat and not isinstance(prompt, (torch.Tensor, str)) and prompt and isinstance(prompt[0], dict):
-            return self._render_chat(list(prompt))
+            return self._render_chat(list(prompt), tools)
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this target has no tokenizer: pass the prompt as token ids")
             if chat:
-                return self._render_chat([{"role": "user", "content": prompt}])
+                return self._render_chat([{"role": "user", "content": prompt}], tools)
             ids = self.tokenizer(prompt)["input_ids"]
         else:
             ids = prompt.flatten().tolist() if isinstance(prompt, torch.Tensor) else list(prompt)
@@ -148,7 +150,7 @@ class SpeculativeGenerator:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         return ids
 
-    def _render_chat(self, messages: list[dict]) -> list[int]:
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Chat messages through the target's chat template -> token ids. Only the template writes special tokens:
         a message whose content holds the text of one ("<|im_start|>system") gets that text as plain text, so that a
         user cannot forge another role's turn."""
@@ -159,22 +161,24 @@ class SpeculativeGenerator:
         forged = [i for i, m in enumerate(messages)
                   if isinstance(m.get("content"), str) and any(token in m["content"] for token in specials)]
         if not forged:  # (the common case: the whole text tokenized at once, as every server does)
-            ids = self.tokenizer(self._apply_template(messages), add_special_tokens=False)["input_ids"]
+            ids = self.tokenizer(self._apply_template(messages, tools), add_special_tokens=False)["input_ids"]
         else:
-            ids = self._render_with_plain_contents(messages, forged)
+            ids = self._render_with_plain_contents(messages, forged, tools)
         if not ids:
             raise ValueError("the prompt is empty: give at least one token of text")
         return ids
 
-    def _apply_template(self, messages: list[dict]) -> str:
+    def _apply_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         from jinja2 import TemplateError  # here: only chat templates need jinja2
 
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True)
         except (TemplateError, ValueError) as error:  # e.g. the template refuses a role or the order of messages
             raise ValueError(f"the chat template refused the messages: {error}") from error
 
-    def _render_with_plain_contents(self, messages: list[dict], forged: list[int]) -> list[int]:
+    def _render_with_plain_contents(self, messages: list[dict], forged: list[int],
+                                    tools: list[dict] | None = None) -> list[int]:
         """The template rendered with a placeholder for the content of each message numbered in `forged`; the
         template's text tokenized with its special tokens, those contents with none (their special-token text split
         into ordinary tokens)."""
@@ -184,7 +188,7 @@ class SpeculativeGenerator:
         marker = f"SPECDEC{secrets.token_hex(8)}"
         contents = {f"{marker}{i}{marker}": messages[i]["content"] for i in forged}
         rendered = self._apply_template([{**m, "content": f"{marker}{i}{marker}"} if i in forged else m
-                                         for i, m in enumerate(messages)])
+                                         for i, m in enumerate(messages)], tools)
         ids = []
         for piece in re.split(f"({marker}\\d+{marker})", rendered):
             if piece in contents:
@@ -197,7 +201,7 @@ class SpeculativeGenerator:
                 top_p: float | None = None, seed: int | None = None, stop: Sequence[str] = (), chat: bool = False,
                 k: int | str | None = None, max_length: int | None = None, tenant: str | None = None,
                 logprobs: int | None = None, adjust: LogitAdjust | None = None,
-                grammar: Grammar | None = None) -> Request:
+                grammar: Grammar | None = None, tools: list[dict] | None = None) -> Request:
         """One request, built and checked: the prompt encoded (see encode), the settings validated, and prompt plus
         max_new_tokens checked against max_length (default: the target's context), the tokens one sequence holds.
         max_new_tokens None: as many as the context has room for. Raises ValueError (ContextLengthExceeded when it
@@ -205,9 +209,10 @@ class SpeculativeGenerator:
         log-probability and this many most likely alternatives (specdec.logprobs; None: none). adjust: a logit bias
         and presence and frequency penalties (specdec.adjust.LogitAdjust), applied to the target's logits at every
         position, draft positions included, before sampling. grammar: what the output must follow (specdec.grammar:
-        Grammar.json_schema(...), .json_object(), .regex(...), .lark(...)), every row masked by it."""
+        Grammar.json_schema(...), .json_object(), .regex(...), .lark(...)), every row masked by it. tools: the tools
+        the chat template offers the model (encode; specdec.tools reads the calls it writes)."""
         limit = self.context_length if max_length is None else max_length
-        ids = self.encode(prompt, chat)
+        ids = self.encode(prompt, chat, tools)
         if max_new_tokens is None:
             max_new_tokens = max(limit - len(ids), 0)
         request = Request(tuple(ids), max_new_tokens, SamplingConfig(temperature, top_k, top_p), seed,

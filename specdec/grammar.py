@@ -70,15 +70,15 @@ class Grammar:
 
 
 class GrammarTokenizer:
-    """llguidance's view of a tokenizer (about a second to build, so built once per generator): token ids below
-    vocab_size, and the ids that end generation."""
+    """llguidance's view of a tokenizer (about a second to build, so built once per generator), the logits' size
+    (vocab_size: masks are cut or padded to it) and the ids that end generation."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: frozenset[int]):
         import llguidance.hf
 
         self.vocab_size, self.eos_ids = vocab_size, eos_ids
         try:
-            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, eos_token=sorted(eos_ids))
         except ValueError as error:
             raise GrammarError(f"grammars need a tokenizer that llguidance reads (a fast Hugging Face tokenizer of a "
                                f"known kind); this model's cannot be used ({error})") from None
@@ -101,8 +101,9 @@ class Constraint:
         the row before) and repeat the last mask. The matcher is left as it was."""
         out, consumed = [self._mask()], 0
         for token in fed[:rows - 1]:
-            if token in self.eos_ids or not self._allows(out[-1], token) or not self.matcher.consume_token(token):
+            if token in self.eos_ids or not self._allows(out[-1], token) or self.matcher.validate_tokens([token]) != 1:
                 break  # (after an end of sequence nothing follows; a forbidden token is rejected where it stands)
+            self.matcher.consume_token(token)
             consumed += 1
             out.append(self._mask())
         if consumed:
@@ -119,8 +120,10 @@ class Constraint:
         return 0 <= token < len(mask) and bool(mask[token])
 
     def _mask(self) -> torch.Tensor:
-        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        return torch.from_numpy(np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool))
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        allowed = np.zeros(self.vocab_size, dtype=bool)  # (ids the tokenizer has that the logits lack: never allowed)
+        allowed[:min(len(bits), self.vocab_size)] = bits[:self.vocab_size]
+        return torch.from_numpy(allowed)
 
     def _check(self) -> None:
         if self.matcher.is_error():

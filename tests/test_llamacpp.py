@@ -1076,6 +1076,88 @@ def test_response_format_through_the_official_client_answers_valid_json_streamed
                                                response_format=bad)
 
 
+HERMES_TEMPLATE = (  # a chat template that offers tools and reads calls as Qwen2.5's does
+    "{%- if tools %}<|im_start|>system\nYou may call these functions:\n<tools>{% for tool in tools %}\n"
+    "{{ tool | tojson }}{% endfor %}\n</tools>\nCall one as <tool_call>\n{\"name\": <name>, \"arguments\": "
+    "<args>}\n</tool_call><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n"
+    "</tool_response><|im_end|>\n{%- elif m.tool_calls %}<|im_start|>assistant{% for c in m.tool_calls %}\n"
+    "<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}\n"
+    "</tool_call>{% endfor %}<|im_end|>\n{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- endif %}{%- endfor %}<|im_start|>assistant\n")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+def test_tool_calls_through_the_official_client_in_an_agent_loop(model):
+    """An agent's steps through the official client, on SmolLM2 with a chat template that offers tools as Qwen2.5's
+    does: a required call (a grammar: exact under speculation, the call target-only decoding makes), streamed as
+    deltas too; the call and the tool's answer sent back in the history; a named call; an answer without calls.
+    Tools on a model whose template takes none, or tool_choice without tools, are refused."""
+    import copy
+
+    import jsonschema
+    import openai
+
+    from conftest import serve
+    from specdec.server import create_app
+    from specdec.tools import HERMES
+
+    target, tokenizer = model
+    tools_tokenizer = copy.deepcopy(tokenizer)
+    tools_tokenizer.chat_template = HERMES_TEMPLATE
+    gen = SpeculativeGenerator(target, "suffix", k=4, tokenizer=tools_tokenizer, prompt_cache=0)
+    alone = SpeculativeGenerator(target, None, tokenizer=tools_tokenizer, prompt_cache=0)
+    ask = [{"role": "user", "content": "What is the weather in Paris, in C?"}]
+    required = alone.request(ask, 80, chat=True, tools=[WEATHER, ADD],
+                             grammar=HERMES.grammar([WEATHER, ADD], None, True))
+    expected = HERMES.parse("".join(chunk.text for chunk in alone.decode(required)))[1]
+    with serve(create_app(gen, "smollm")) as url, serve(create_app(alone, "smollm")) as plain_url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        settings = dict(model="smollm", tools=[WEATHER, ADD], temperature=0, max_tokens=80)
+        first = client.chat.completions.create(messages=ask, tool_choice="required", **settings)
+        assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content is None
+        calls = first.choices[0].message.tool_calls
+        assert [(c.function.name, c.function.arguments) for c in calls] == [(c.name, c.arguments) for c in expected]
+        for call in calls:
+            tool = {"get_weather": WEATHER, "add": ADD}[call.function.name]
+            jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+        streamed = list(client.chat.completions.create(messages=ask, tool_choice="required", stream=True,
+                                                       **settings))
+        deltas = [call for chunk in streamed if chunk.choices for call in chunk.choices[0].delta.tool_calls or []]
+        assert [(d.function.name, d.function.arguments) for d in deltas] == [(c.name, c.arguments) for c in expected]
+        assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+        history = ask + [first.choices[0].message.model_dump(exclude_none=True)] + [
+            {"role": "tool", "tool_call_id": call.id, "content": "21 C, sunny"} for call in calls]
+        assert "21 C, sunny" in tools_tokenizer.decode(gen.encode(
+            [m if m["role"] != "assistant" else {**m, "content": m.get("content") or ""} for m in history],
+            chat=True, tools=[WEATHER, ADD]))
+        named = client.chat.completions.create(messages=history, tool_choice={"type": "function",
+                                                                              "function": {"name": "add"}}, **settings)
+        assert [c.function.name for c in named.choices[0].message.tool_calls] == ["add"]
+        answer = client.chat.completions.create(messages=history, tool_choice="none", **settings)
+        assert answer.choices[0].message.tool_calls is None and answer.choices[0].message.content
+        plain = openai.OpenAI(base_url=f"{plain_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert plain.chat.completions.create(messages=history, tool_choice="none", **settings).choices[0] \
+            .message.content == answer.choices[0].message.content
+
+        for bad, says in [(dict(tool_choice="required"), "needs tools"),
+                          (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+                           "not among the tools")]:
+            with pytest.raises(openai.BadRequestError, match=says):
+                client.chat.completions.create(model="smollm", messages=ask, max_tokens=8, **bad)
+    no_tools = SpeculativeGenerator(target, None, tokenizer=tokenizer, prompt_cache=0)  # SmolLM2's own template
+    with serve(create_app(no_tools, "smollm")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError, match="offers it no tools"):
+            client.chat.completions.create(model="smollm", messages=ask, tools=[WEATHER], max_tokens=8)
+
+
 def test_a_failed_load_or_pass_says_what_llama_cpp_reported(model, tmp_path):
     """llama.cpp reports its reasons only through its log; a failure says them, not only that it failed."""
     from specdec.runtimes.llamacpp import context

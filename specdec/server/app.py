@@ -18,8 +18,9 @@ from starlette.exceptions import HTTPException
 from specdec import grammar
 from specdec.generator import DEFAULT_MAX_BATCH
 from specdec.requests import ContextLengthExceeded
+from specdec.tools import ToolFormat, tool_format
 from specdec.vocabulary import TokenText
-from specdec.server.bodies import Body, ChatBody, CompletionBody
+from specdec.server.bodies import Body, ChatBody, CompletionBody, NamedToolChoice
 from specdec.server.errors import APIError, internal_error, validation_error
 from specdec.server.limits import available_memory, choose_ctx_size
 from specdec.server.metrics import Metrics
@@ -49,6 +50,10 @@ class Service:
         self.metrics = Metrics(self.scheduler, generator.prompt_cache)
         self.created = int(time.time())
         self.token_text = TokenText(generator.tokenizer)  # each token's bytes and text, as logprobs show them
+        template = getattr(generator.tokenizer, "chat_template", None)
+        self.tool_format = tool_format(template if isinstance(template, str) else None)
+        self.added_tokens = frozenset(token.content for token in
+                                      getattr(generator.tokenizer, "added_tokens_decoder", {}).values())
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specdec",
@@ -72,12 +77,41 @@ class Service:
         key = getattr(request.state, "key", None)
         return f"key {key}" if self.tenants and key is not None else None
 
+    def tools_of(self, body: ChatBody) -> tuple[list[dict] | None, ToolFormat | None, grammar.Grammar | None]:
+        """A chat request's tools -> (the tools for the chat template; the format to read calls from the answer in,
+        None where no call is to be read (tool_choice "none"); the grammar of a required call, or None)."""
+        choice = body.tool_choice
+        if not body.tools:
+            if choice not in (None, "none"):
+                raise APIError(400, "tool_choice needs tools: offer them in `tools`", "tool_choice")
+            return None, None, None
+        if self.tool_format is None:
+            raise APIError(400, "this model's chat template offers it no tools (or has it write calls in a format "
+                                "this server does not read): send the request without tools", "tools")
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+        if choice == "none":
+            return tools, None, None
+        forced = None
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            if body.response_format and body.response_format.get("type", "text") != "text":
+                raise APIError(400, "a required tool call and a response_format cannot both shape the answer",
+                               "tool_choice")
+            only = choice.function.name if isinstance(choice, NamedToolChoice) else None
+            try:
+                forced = self.tool_format.grammar(tools, only, body.parallel_tool_calls is not False,
+                                                  self.added_tokens)
+            except grammar.GrammarError as error:
+                raise APIError(400, str(error), "tool_choice") from error
+        return tools, self.tool_format, forced
+
     async def build(self, body: Body, prompt, chat: bool, max_tokens: int | None, param: str,
-                    tenant: str | None = None) -> GenerationRequest:
+                    tenant: str | None = None, tools: list[dict] | None = None,
+                    forced: grammar.Grammar | None = None) -> GenerationRequest:
         """The request, built and checked by the generator in a worker thread (the chat template and the tokenizer
         are blocking work: the event loop keeps answering meanwhile). max_tokens None: what the context has room for.
         A request that cannot fit in the context (--ctx-size) is refused here, with what to change. tenant: whose
-        earlier requests it may draw on (Service.tenant)."""
+        earlier requests it may draw on (Service.tenant); tools, forced: its tools for the chat template and the
+        grammar of a required call (tools_of)."""
         try:
             adjust = body.adjust()
             if adjust is not None:
@@ -85,7 +119,7 @@ class Service:
         except ValueError as error:
             raise APIError(400, str(error), "logit_bias") from error
         try:
-            constrained = grammar.schema_of(body.response_format) if body.response_format else None
+            constrained = forced or (grammar.schema_of(body.response_format) if body.response_format else None)
         except grammar.GrammarError as error:
             raise APIError(400, str(error), "response_format") from error
         settings = dict(temperature=1.0 if body.temperature is None else body.temperature, top_k=body.top_k,
@@ -94,7 +128,7 @@ class Service:
                         logprobs=body.logprobs_asked(), adjust=adjust, grammar=constrained)
         try:
             return await run_in_threadpool(self.generator.request, prompt, max_tokens, chat=chat,
-                                           max_length=self.context, tenant=tenant, **settings)
+                                           max_length=self.context, tenant=tenant, tools=tools, **settings)
         except ContextLengthExceeded as error:
             raise APIError(400, str(error), param if error.prompt_too_long else "max_tokens",
                            "context_length_exceeded") from error
@@ -104,14 +138,14 @@ class Service:
             raise APIError(400, f"the {param} cannot be used: {error}", param) from error
 
     async def respond(self, request: Request, body: Body, generation: GenerationRequest, chat: bool,
-                      started: float) -> Response:
+                      started: float, tools: ToolFormat | None = None) -> Response:
         """Queue the request (its timeout counting from `started`, its arrival) and answer it: whole, or as a stream
         once its first chunk has come (until then an error can still be answered with its status)."""
         endpoint = request.url.path
         n_prompt = len(generation.prompt_ids)
         reply = Reply(chat, self.model_name, n_prompt, bool(body.return_token_ids),
                       bool(body.return_speculation_stats),
-                      self.token_text if generation.logprobs is not None else None)
+                      self.token_text if generation.logprobs is not None else None, tools)
         turn = Turn(self.scheduler, self.scheduler.submit(generation, started),
                     on_first=lambda: self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started),
                     on_last=lambda stats: self.metrics.observe_generation(n_prompt, stats))
@@ -204,8 +238,10 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
         service.check(body)
         requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         messages = [message.as_template_input() for message in body.messages]
-        generation = await service.build(body, messages, True, requested, "messages", service.tenant(request))
-        return await service.respond(request, body, generation, chat=True, started=started)
+        tools, calls, forced = service.tools_of(body)
+        generation = await service.build(body, messages, True, requested, "messages", service.tenant(request),
+                                         tools, forced)
+        return await service.respond(request, body, generation, chat=True, started=started, tools=calls)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

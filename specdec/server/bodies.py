@@ -3,6 +3,7 @@ fields kept so that the OpenAI options this server does not implement can be ref
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,7 +14,7 @@ from specdec.logprobs import MAX_TOP_LOGPROBS
 # OpenAI options this server does not implement, with the values that leave them off: others are refused, not ignored
 # (top_logprobs is chat's: a completion asks with logprobs=N).
 UNSUPPORTED = {"top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "suffix": (None, ""), "tools": (None, []), "functions": (None, [])}
+               "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
 
 
 class StreamOptions(BaseModel):
@@ -78,14 +79,69 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(BaseModel):
+    """A call an earlier assistant message made (it comes back in the history)."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_template_input(self) -> dict:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": content}
+        message = {"role": self.role, "content": content}
+        if self.tool_calls:  # the templates take the arguments as an object (they write it out as JSON)
+            message["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+                "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatBody(Body):
@@ -93,6 +149,9 @@ class ChatBody(Body):
     max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None  # each token's log-probability
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # with this many alternatives (needs logprobs)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool | None = None  # a required call may be several (default: true, as OpenAI)
 
     def logprobs_asked(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from specdec.server.errors import APIError, generation_failed
+from specdec.tools import ToolStream
 
 if TYPE_CHECKING:
     from specdec.logprobs import TokenLogprob
     from specdec.metrics import SpecStats
     from specdec.output import Chunk
     from specdec.server.scheduler import Turn
+    from specdec.tools import ToolFormat
     from specdec.vocabulary import TokenText
 
 log = logging.getLogger(__name__)
@@ -40,12 +42,14 @@ class Reply:
     with_token_ids: bool = False  # each choice carries the ids of its tokens (return_token_ids)
     with_stats: bool = False  # the last chunk, or the whole answer, carries `specdec` (return_speculation_stats)
     token_text: TokenText | None = None  # each token's text and bytes, where the request asks for logprobs
+    tools: ToolFormat | None = None  # the format the answer's tool calls are read in (chat with tools)
     id: str = field(init=False)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
         self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self._offset = 0  # (completions) characters of the tokens' texts before the next token: its text_offset
+        self._calls = ToolStream(self.tools) if self.tools is not None else None  # (a stream's text, held at a call)
 
     def logprobs(self, logprobs: list[TokenLogprob] | None) -> dict | None:
         """A choice's `logprobs` in its endpoint's shape for these tokens (None where they were not asked for)."""
@@ -79,8 +83,13 @@ class Reply:
     def whole(self, text: str, token_ids: list[int], last: Chunk, logprobs: list[TokenLogprob] | None = None
               ) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self.logprobs(logprobs), "finish_reason": last.finish_reason}
+            message, finish = {"role": "assistant", "content": text}, last.finish_reason
+            if self.tools is not None:
+                message["content"], calls = self.tools.parse(text)
+                if calls:
+                    message["tool_calls"] = [call.as_openai() for call in calls]
+                    finish = "tool_calls" if finish == "stop" else finish
+            choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
                       "finish_reason": last.finish_reason}
@@ -95,9 +104,17 @@ class Reply:
     def piece(self, chunk: Chunk, first: bool, last: bool) -> dict:
         """A stream's chunk; the last one of text carries the stats, where asked for and no usage chunk follows."""
         if self.chat:
-            delta = {"role": "assistant", "content": chunk.text} if first else {"content": chunk.text}
-            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(chunk.logprobs),
-                      "finish_reason": chunk.finish_reason}
+            text, finish, calls = chunk.text, chunk.finish_reason, []
+            if self._calls is not None:  # text from a call's start on is held back, and read as calls at the end
+                text = self._calls.feed(text)
+                if finish is not None:
+                    rest, calls = self._calls.finish()
+                    text += rest
+                    finish = "tool_calls" if calls and finish == "stop" else finish
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            if calls:
+                delta["tool_calls"] = [call.as_openai(i) for i, call in enumerate(calls)]
+            choice = {"index": 0, "delta": delta, "logprobs": self.logprobs(chunk.logprobs), "finish_reason": finish}
         else:
             choice = {"index": 0, "text": chunk.text, "logprobs": self.logprobs(chunk.logprobs),
                       "finish_reason": chunk.finish_reason}
