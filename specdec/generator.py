@@ -13,6 +13,7 @@ import torch
 from specdec.adaptive import make_k_policy
 from specdec.adjust import LogitAdjust
 from specdec.grammar import Grammar, GrammarTokenizer
+from specdec.logprobs import TokenLogprob, check_top, token_logprobs
 from specdec.batching import Batch
 from specdec.batching import Generation
 from specdec.drafters import CrossVocabDrafter, Drafter, ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
@@ -27,6 +28,7 @@ from specdec.sampling import SamplingConfig
 __all__ = ["Chunk", "GenerationResult", "SpeculativeGenerator"]
 
 DEFAULT_MAX_BATCH = 8  # requests generate_many decodes together (on llama.cpp: sequence slots of the target)
+PROMPT_PASS_TOKENS = 64  # prompt_logprobs' passes where the runtime says any width is exact
 
 
 class SpeculativeGenerator:
@@ -309,6 +311,24 @@ class SpeculativeGenerator:
         finally:
             batch.close()
         return [sequence.output.result() for sequence in sequences]
+
+    def prompt_logprobs(self, prompt_ids: Sequence[int], top: int = 0) -> list[TokenLogprob]:
+        """Each prompt token's log-probability after the tokens before it (the first's is None: nothing comes before
+        it), with the `top` most likely tokens at its position: what an evaluation harness reads (the
+        server's echo). The prompt runs in a sequence of its own, in passes no wider than the exact verify width,
+        so every row is bit for bit that of a one-token pass, as the logprobs of generated tokens are."""
+        check_top(top)
+        ids = list(prompt_ids)
+        runner = self.runtime.own_pool(self.target, len(ids) + 1).take(self.vocab_size)
+        rows: list[torch.Tensor] = []  # row i: after ids[:i + 1], the distribution of ids[i + 1]
+        try:
+            while len(rows) < len(ids) - 1:
+                width = runner.verify_width(len(rows)) or PROMPT_PASS_TOKENS  # (None: any width is exact)
+                rows.extend(runner.forward(torch.tensor([ids[len(rows):min(len(rows) + width, len(ids) - 1)]]))[0])
+        finally:
+            runner.close()
+        first = TokenLogprob(ids[0], None)
+        return [first, *token_logprobs(torch.stack(rows), ids[1:], top)] if rows else [first]
 
     def grammar_tokenizer(self) -> GrammarTokenizer:
         """The target's tokenizer as the grammars read it (built at the first constrained request, then kept)."""

@@ -18,11 +18,11 @@ MAX_TOP_LOGPROBS = 20  # the most alternatives a position reports (OpenAI's limi
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One committed token's log-probability, and the `top` most likely tokens at its position (most likely first;
-    empty when none were asked for)."""
+    """One token's log-probability, and the `top` most likely tokens at its position (most likely first; empty when
+    none were asked for). A prompt's first token has none (logprob None): nothing comes before it."""
 
     token: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 

@@ -984,6 +984,27 @@ def test_logprobs_under_speculation_are_target_only_decodings_bit_for_bit(model,
     assert gen.generate(prompt, max_new_tokens=40, logprobs=5).logprobs != alone.logprobs
 
 
+def test_an_evaluation_harness_gets_the_prompts_logprobs_through_the_official_client(model, baseline):
+    """lm-eval's local-completions request (echo, logprobs=1, max_tokens=0): each prompt token's log-probability;
+    the continuation's last token's equals what generate reports for it after the same context."""
+    import openai
+
+    from conftest import serve
+    from specdec.server import create_app
+
+    context, continuation = "The capital of France is", " Paris"
+    ids = baseline.encode(context + continuation)
+    with serve(create_app(baseline, "smollm")) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        out = client.completions.create(model="smollm", prompt=context + continuation, max_tokens=0, echo=True,
+                                        logprobs=1, temperature=0)
+    logprobs = out.choices[0].logprobs
+    assert out.choices[0].text == context + continuation and len(logprobs.token_logprobs) == len(ids)
+    assert logprobs.token_logprobs[0] is None and all(lp < 0 for lp in logprobs.token_logprobs[1:])
+    after = baseline.generate(ids[:-1], max_new_tokens=1, logprobs=1, adjust=None)
+    assert after.token_ids == ids[-1:] and logprobs.token_logprobs[-1] == after.logprobs[0].logprob
+
+
 def test_penalties_under_speculation_answer_as_target_only_decoding_alone_and_batched(model, baseline):
     """A repetitive prompt whose lookups draft repeats that the frequency penalty turns the target from: greedy
     answers with the penalties equal target-only decoding's with them, alone and in a fused batch."""

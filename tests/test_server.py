@@ -218,6 +218,21 @@ def test_logprobs_through_the_official_client_are_generates(client, generator, s
     assert b"".join(bytes(entry.bytes) for entry in content).decode() == chat_ref.text
 
 
+def test_echo_gives_the_prompt_and_its_tokens_logprobs_as_one_token_decoding_does(client, generator):
+    """An evaluation harness's request (lm-eval's local-completions: echo, logprobs, max_tokens 0): the prompt's
+    text and each of its tokens' log-probabilities (the first has none) equal to one-token passes over it."""
+    ids = generator.encode("abcabdabe")
+    expected = one_token_logprobs(generator, ids[:1], ids[1:], 1)
+    assert generator.prompt_logprobs(ids, 1)[1:] == expected
+    out = client.completions.create(model=MODEL, prompt="abcabdabe", max_tokens=0, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == "abcabdabe" and choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == [lp.logprob for lp in expected]
+    assert "".join(choice.logprobs.tokens) == "abcabdabe" and choice.logprobs.top_logprobs[0] is None
+    more = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, echo=True, temperature=0)
+    assert more.choices[0].text.startswith("abcabdabe") and more.choices[0].logprobs is None
+
+
 def test_logprobs_not_asked_for_are_none_and_bad_settings_are_refused(client, url):
     out = client.completions.create(model=MODEL, prompt="abc", max_tokens=4, temperature=0)
     assert out.choices[0].logprobs is None
@@ -392,7 +407,8 @@ BAD_REQUESTS = [
     ("n > 1", "/v1/completions", {"model": MODEL, "prompt": "ab", "n": 2}, 400, "n"),
     ("n > 1 chat", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "a"}], "n": 3},
      400, "n"),
-    ("unsupported echo", "/v1/completions", {"model": MODEL, "prompt": "ab", "echo": True}, 400, "echo"),
+    ("echo streamed", "/v1/completions", {"model": MODEL, "prompt": "ab", "echo": True, "stream": True}, 400,
+     "echo"),
     ("too many stop strings", "/v1/completions", {"model": MODEL, "prompt": "ab", "stop": list("abcde")}, 400,
      "stop"),
     ("seed out of range", "/v1/completions", {"model": MODEL, "prompt": "ab", "seed": 2**70}, 400, "seed"),

@@ -137,8 +137,17 @@ class Service:
         except (ValueError, TypeError, UnicodeError) as error:  # TypeError: text the tokenizer cannot take
             raise APIError(400, f"the {param} cannot be used: {error}", param) from error
 
+    async def echo(self, body: CompletionBody, generation: GenerationRequest) -> tuple[str, list | None]:
+        """A completion's prompt as echo gives it back: its text and, with logprobs, its tokens' (computed in a
+        worker thread, in passes of their own: SpeculativeGenerator.prompt_logprobs)."""
+        ids = list(generation.prompt_ids)
+        text = body.prompt if isinstance(body.prompt, str) else self.generator.tokenizer.decode(ids)
+        if body.logprobs is None:
+            return text, None
+        return text, await run_in_threadpool(self.generator.prompt_logprobs, ids, body.logprobs)
+
     async def respond(self, request: Request, body: Body, generation: GenerationRequest, chat: bool,
-                      started: float, tools: ToolFormat | None = None) -> Response:
+                      started: float, tools: ToolFormat | None = None, echo: tuple | None = None) -> Response:
         """Queue the request (its timeout counting from `started`, its arrival) and answer it: whole, or as a stream
         once its first chunk has come (until then an error can still be answered with its status)."""
         endpoint = request.url.path
@@ -171,7 +180,7 @@ class Service:
                 last = chunk
         finally:
             turn.close()
-        return JSONResponse(reply.whole("".join(texts), token_ids, last, logprobs))
+        return JSONResponse(reply.whole("".join(texts), token_ids, last, logprobs, echo))
 
 
 def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | Sequence[str] | None = None,
@@ -229,8 +238,11 @@ def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | 
         started = time.perf_counter()
         service.check(body)
         max_tokens = COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        if body.echo and body.stream:
+            raise APIError(400, "echo is answered whole: send it without stream", "echo")
         generation = await service.build(body, body.prompt, False, max_tokens, "prompt", service.tenant(request))
-        return await service.respond(request, body, generation, chat=False, started=started)
+        echo = await service.echo(body, generation) if body.echo else None
+        return await service.respond(request, body, generation, chat=False, started=started, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Response:

@@ -13,7 +13,7 @@ from specdec.logprobs import MAX_TOP_LOGPROBS
 
 # OpenAI options this server does not implement, with the values that leave them off: others are refused, not ignored
 # (top_logprobs is chat's: a completion asks with logprobs=N).
-UNSUPPORTED = {"top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+UNSUPPORTED = {"top_logprobs": (None, 0), "best_of": (None, 1),
                "suffix": (None, ""), "functions": (None, []), "function_call": (None, "none")}
 
 
@@ -68,6 +68,7 @@ class Body(BaseModel):
 class CompletionBody(Body):
     prompt: str | list[int]  # text, or token ids of the target's vocabulary
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # each token's, with this many alternatives
+    echo: bool | None = None  # the prompt comes back before the completion (with logprobs: its tokens' too)
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs

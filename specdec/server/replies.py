@@ -68,7 +68,8 @@ class Reply:
             offsets.append(self._offset)
             self._offset += len(piece)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs or []],
-                "top_logprobs": [{text.text(token): logprob for token, logprob in lp.top} for lp in logprobs or []],
+                "top_logprobs": [None if lp.logprob is None else {text.text(token): logprob for token, logprob in lp.top}
+                                 for lp in logprobs or []],
                 "text_offset": offsets}
 
     def _envelope(self, obj: str, choices: list[dict], **extra) -> dict:
@@ -80,8 +81,10 @@ class Reply:
                 "total_tokens": self.prompt_tokens + stats.new_tokens,
                 "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}
 
-    def whole(self, text: str, token_ids: list[int], last: Chunk, logprobs: list[TokenLogprob] | None = None
-              ) -> dict:
+    def whole(self, text: str, token_ids: list[int], last: Chunk, logprobs: list[TokenLogprob] | None = None,
+              echo: tuple[str, list[TokenLogprob] | None] | None = None) -> dict:
+        """The whole answer; echo (completions): the prompt's text and its tokens' logprobs, put before the
+        completion's (the logprobs None where they were not asked for)."""
         if self.chat:
             message, finish = {"role": "assistant", "content": text}, last.finish_reason
             if self.tools is not None:
@@ -91,6 +94,8 @@ class Reply:
                     finish = "tool_calls" if finish == "stop" else finish
             choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         else:
+            if echo is not None:
+                text, logprobs = echo[0] + text, (echo[1] or []) + (logprobs or [])
             choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
                       "finish_reason": last.finish_reason}
         if self.with_token_ids:
