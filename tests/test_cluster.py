@@ -387,7 +387,7 @@ def test_a_conversation_goes_back_to_the_replica_that_holds_its_prompt_cache(clu
 
 
 BAD = [("POST", "/v1/completions", {"model": "nope", "prompt": "x"}),
-       ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}),
+       ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "n": 2, "stream": True}),
        ("POST", "/v1/completions", {"model": MODEL}),
        ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}),
        ("POST", "/v1/chat/completions", {"model": MODEL, "messages": "hello"}),

@@ -4,8 +4,10 @@ request and its answer."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
@@ -25,11 +27,12 @@ from specdec.server.errors import APIError, internal_error, validation_error
 from specdec.server.limits import available_memory, choose_ctx_size
 from specdec.server.metrics import Metrics
 from specdec.server.middleware import MAX_BODY_BYTES, Authenticate, LimitBody, Observe, key_digest
-from specdec.server.replies import Reply, TurnStream, events
+from specdec.server.replies import Answer, Reply, TurnStream, events
 from specdec.server.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_REQUEST_TIMEOUT_S, Scheduler, Turn
 
 if TYPE_CHECKING:
     from specdec.generator import SpeculativeGenerator
+    from specdec.output import Chunk
     from specdec.requests import Request as GenerationRequest
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to what the context has left
@@ -65,8 +68,8 @@ class Service:
                            "model", "model_not_found")
         if isinstance(body, ChatBody) and body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        if body.n not in (None, 1):
-            raise APIError(400, f"n must be 1 (got {body.n}): this server returns one choice per request", "n")
+        if body.n not in (None, 1) and body.stream:
+            raise APIError(400, f"n = {body.n} is answered whole: send it without stream, or n = 1", "n")
         unsupported = body.unsupported()
         if unsupported:
             raise APIError(400, f"{unsupported} is not supported by this server", unsupported,
@@ -155,32 +158,52 @@ class Service:
         reply = Reply(chat, self.model_name, n_prompt, bool(body.return_token_ids),
                       bool(body.return_speculation_stats),
                       self.token_text if generation.logprobs is not None else None, tools)
-        turn = Turn(self.scheduler, self.scheduler.submit(generation, started),
-                    on_first=lambda: self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started),
-                    on_last=lambda stats: self.metrics.observe_generation(n_prompt, stats))
+        def submit(one: GenerationRequest) -> Turn:
+            return Turn(self.scheduler, self.scheduler.submit(one, started),
+                        on_first=lambda: self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - started),
+                        on_last=lambda stats: self.metrics.observe_generation(n_prompt, stats))
+
+        turns = [submit(generation)]
         try:
-            first = await turn.next(request)  # waits in the queue; a refusal comes here, while its status can be sent
+            first = await turns[0].next(request)  # waits in the queue; a refusal comes here, while its status can go
         except BaseException:
-            turn.close()
+            turns[0].close()
             raise
-        if first is None:  # the client left while the request waited
-            return Response(status_code=499)
-        if body.stream:
+        if first is not None and body.stream:  # (the stream frees its turn however it ends)
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return TurnStream(events(turn, first, reply, include_usage), turn)
-        texts, token_ids, logprobs, last = [first.text], list(first.token_ids), list(first.logprobs or []), first
+            return TurnStream(events(turns[0], first, reply, include_usage), turns[0])
         try:
-            while last.finish_reason is None:
-                chunk = await turn.next(request)
-                if chunk is None or (chunk.finish_reason is None and await request.is_disconnected()):
-                    return Response(status_code=499)  # the client left: the scheduler drops it before its next cycle
-                texts.append(chunk.text)
-                token_ids += chunk.token_ids
-                logprobs += chunk.logprobs or []
-                last = chunk
+            if first is None:  # the client left while the request waited
+                return Response(status_code=499)
+            # n > 1: the other choices start once the first has read the prompt, so that they take it from the
+            # prompt cache; choice i samples with seed + i (as generate_many), and greedy choices are all the same
+            turns += [submit(replace(generation, seed=None if generation.seed is None else generation.seed + i))
+                      for i in range(1, body.n or 1)]
+            answers = await asyncio.gather(self._collect(turns[0], request, first),
+                                           *(self._collect(turn, request) for turn in turns[1:]))
         finally:
-            turn.close()
-        return JSONResponse(reply.whole("".join(texts), token_ids, last, logprobs, echo))
+            for turn in turns:
+                turn.close()
+        if any(answer is None for answer in answers):
+            return Response(status_code=499)  # the client left: the scheduler drops it before its next cycle
+        return JSONResponse(reply.whole(answers, echo))
+
+    @staticmethod
+    async def _collect(turn: Turn, request: Request, first: Chunk | None = None) -> Answer | None:
+        """A turn's chunks gathered into its whole answer (None: the client left)."""
+        chunk = first if first is not None else await turn.next(request)
+        if chunk is None:
+            return None
+        texts, token_ids, logprobs, last = [chunk.text], list(chunk.token_ids), list(chunk.logprobs or []), chunk
+        while last.finish_reason is None:
+            chunk = await turn.next(request)
+            if chunk is None or (chunk.finish_reason is None and await request.is_disconnected()):
+                return None
+            texts.append(chunk.text)
+            token_ids += chunk.token_ids
+            logprobs += chunk.logprobs or []
+            last = chunk
+        return Answer("".join(texts), token_ids, last, logprobs if last.logprobs is not None else None)
 
 
 def create_app(generator: SpeculativeGenerator, model_name: str, api_key: str | Sequence[str] | None = None,

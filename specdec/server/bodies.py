@@ -11,6 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from specdec.adjust import MAX_BIAS, MAX_PENALTY, LogitAdjust
 from specdec.logprobs import MAX_TOP_LOGPROBS
 
+MAX_CHOICES = 16  # n: choices one request may ask for
+
 # OpenAI options this server does not implement, with the values that leave them off: others are refused, not ignored
 # (top_logprobs is chat's: a completion asks with logprobs=N).
 UNSUPPORTED = {"top_logprobs": (None, 0), "best_of": (None, 1),
@@ -32,7 +34,7 @@ class Body(BaseModel):
     top_k: int | None = Field(None, ge=1)  # not OpenAI's; accepted as vLLM does
     stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what a torch.Generator takes
-    n: int | None = None  # only 1
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # choices of one prompt (whole answers only)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None  # not OpenAI's: as vLLM, each choice also carries its "token_ids"

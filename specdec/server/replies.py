@@ -34,6 +34,15 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Answer:
+    """One choice's whole answer: its text, tokens, last chunk (finish reason, stats) and logprobs (where asked)."""
+    text: str
+    token_ids: list[int]
+    last: Chunk
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
 class Reply:
     """The response bodies of one request, in its endpoint's shape."""
     chat: bool
@@ -81,27 +90,36 @@ class Reply:
                 "total_tokens": self.prompt_tokens + stats.new_tokens,
                 "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens}}
 
-    def whole(self, text: str, token_ids: list[int], last: Chunk, logprobs: list[TokenLogprob] | None = None,
-              echo: tuple[str, list[TokenLogprob] | None] | None = None) -> dict:
-        """The whole answer; echo (completions): the prompt's text and its tokens' logprobs, put before the
-        completion's (the logprobs None where they were not asked for)."""
+    def whole(self, answers: list[Answer], echo: tuple[str, list[TokenLogprob] | None] | None = None) -> dict:
+        """The whole response: a choice per answer (n of them), usage over all. echo (completions): the prompt's text
+        and its tokens' logprobs, put before each completion's (the logprobs None where they were not asked for)."""
+        choices = [self._choice(i, answer, echo) for i, answer in enumerate(answers)]
+        stats = answers[0].last.stats
+        usage = self.usage(stats)
+        usage["completion_tokens"] = sum(answer.last.stats.new_tokens for answer in answers)
+        usage["total_tokens"] = self.prompt_tokens + usage["completion_tokens"]
+        return self._envelope("chat.completion" if self.chat else "text_completion", choices, usage=usage,
+                              **self._stats(stats))
+
+    def _choice(self, index: int, answer: Answer, echo: tuple[str, list[TokenLogprob] | None] | None) -> dict:
+        text, logprobs, finish = answer.text, answer.logprobs, answer.last.finish_reason
+        self._offset = 0
         if self.chat:
-            message, finish = {"role": "assistant", "content": text}, last.finish_reason
+            message = {"role": "assistant", "content": text}
             if self.tools is not None:
                 message["content"], calls = self.tools.parse(text)
                 if calls:
                     message["tool_calls"] = [call.as_openai() for call in calls]
                     finish = "tool_calls" if finish == "stop" else finish
-            choice = {"index": 0, "message": message, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
+            choice = {"index": index, "message": message, "logprobs": self.logprobs(logprobs),
+                      "finish_reason": finish}
         else:
             if echo is not None:
                 text, logprobs = echo[0] + text, (echo[1] or []) + (logprobs or [])
-            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs),
-                      "finish_reason": last.finish_reason}
+            choice = {"index": index, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish}
         if self.with_token_ids:
-            choice["token_ids"] = token_ids
-        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
-                              usage=self.usage(last.stats), **self._stats(last.stats))
+            choice["token_ids"] = answer.token_ids
+        return choice
 
     def _stats(self, stats: SpecStats) -> dict:
         return {"specdec": stats.to_dict()} if self.with_stats else {}
