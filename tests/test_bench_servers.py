@@ -482,3 +482,29 @@ def test_bench_interleave_takes_articles_of_about_two_thousand_tokens():
                for p in prompts)
     with pytest.raises(ValueError, match="fewer than the 1000 rounds"):
         interleave.long_prompts(1000)
+
+
+def test_the_api_features_benchmark_pools_each_servers_rate_per_feature_and_compares_them():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "api_features.py"
+    spec = importlib.util.spec_from_file_location("api_features", path)
+    features = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(features)
+
+    def rec(server, feature, tokens, seconds, **extra):
+        return {"server": server, "feature": feature, "completion_tokens": tokens, "wall_s": seconds, **extra}
+
+    records = [rec("llama-server", f, 100, 5, first_token_s=1.0) for f in features.FEATURES]
+    records += [rec("specdec", "none", 100, 4, first_token_s=1.0), rec("specdec", "none", 50, 1, first_token_s=0.5),
+                rec("specdec", "logprobs", 100, 5, first_token_s=0.6),
+                rec("specdec", "json_schema", 120, 4, first_token_s=0.5),
+                rec("specdec", "json_schema", 0, 0.0, error="APIError: x")]
+    results = {"records": records, "command": "python benchmarks/api_features.py", "versions": {},
+               "machine": {"cpu": "cpu", "cores": 2}, "settings": {"max_tokens": 128, "rounds": 1}}
+    rate = features.rates(results)
+    assert rate["specdec"] == {"none": 30.0, "logprobs": 20.0, "json_schema": 30.0}  # pooled: 150 tokens / 5 s
+    assert features.rates(results, decode=True)["specdec"]["none"] == pytest.approx(148 / 3.5)  # after the first
+    text = features.report(results)
+    assert "| specdec | 30.00 | 20.00 | 30.00 | 0.67x | 1.00x |" in text
+    assert "none 1.50x, logprobs 1.00x, json_schema 1.50x" in text and "failed: 1" in text
