@@ -76,28 +76,29 @@ class CompletionBody(Body):
         return self.logprobs
 
 
-class TextPart(BaseModel):
+class Part(BaseModel):
+    """A part of a body: strict types, and fields this server does not know kept (not refused)."""
     model_config = ConfigDict(strict=True, extra="allow")
+
+
+class TextPart(Part):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class FunctionCall(Part):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(Part):
     """A call an earlier assistant message made (it comes back in the history)."""
-    model_config = ConfigDict(strict=True, extra="allow")
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class Message(Part):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
@@ -122,27 +123,23 @@ def _arguments(text: str):
         return text
 
 
-class FunctionSpec(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class FunctionSpec(Part):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class Tool(Part):
     type: Literal["function"]
     function: FunctionSpec
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class FunctionName(Part):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class NamedToolChoice(Part):
     type: Literal["function"]
     function: FunctionName
 
