@@ -43,7 +43,7 @@ class Step:
 def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tensor, *, k: KPolicy,
                        max_new_tokens: int, sampling: SamplingConfig, generator: torch.Generator,
                        eos_ids: frozenset[int] = frozenset(), stats: SpecStats | None = None,
-                       constraint: Constraint | None = None) -> Iterator[Step]:
+                       constraint: Constraint | None = None, adjust: LogitAdjust | None = None) -> Iterator[Step]:
     """Yield the tokens of prompt_ids [1, n] continued by the target, as each cycle commits them.
 
     k chooses the number of draft tokens each cycle (specdec.adaptive: FixedK, AdaptiveK).
@@ -55,7 +55,7 @@ def speculative_decode(target: Runner, drafter: Drafter, prompt_ids: torch.Tenso
     (or on the context length) says how wide a pass may be (verify_width), and no cycle drafts beyond it.
     """
     decoding = Decoding(target, drafter, prompt_ids, k=k, max_new_tokens=max_new_tokens, sampling=sampling,
-                        generator=generator, eos_ids=eos_ids, stats=stats, constraint=constraint)
+                        generator=generator, eos_ids=eos_ids, stats=stats, constraint=constraint, adjust=adjust)
     while not decoding.done:
         feed = decoding.propose()  # [1, n]: the newest committed token and the draft
         started = time.perf_counter()

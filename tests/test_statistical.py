@@ -14,6 +14,7 @@ import torch
 
 import specdec.engine
 from specdec.adaptive import FixedK
+from specdec.adjust import LogitAdjust
 from specdec.drafters import Drafter, Proposal
 from specdec.sampling import SamplingConfig, logits_to_probs, make_generator, sample
 
@@ -263,3 +264,36 @@ def test_constrained_sampling_matches_the_masked_target_distribution(ignore_draf
     except AssertionError:  # it sampled a sequence the grammar forbids
         passed = False
     assert not passed
+
+
+def penalised_distribution(n_new: int, sampling: SamplingConfig, adjust: LogitAdjust) -> dict[tuple[int, ...], float]:
+    """Exact probability of every n_new-token continuation of PROMPT under the target with these penalties."""
+    runner, out = ToyRunner(VOCAB, seed=0), {}
+    for seq in itertools.product(range(VOCAB), repeat=n_new):
+        prob = 1.0
+        for i, token in enumerate(seq):
+            logits = adjust.rows(runner.logits_after(tuple(PROMPT) + seq[:i])[None], list(seq[:i]), [])[0]
+            prob *= reference_probs(logits, sampling)[token]
+        out[seq] = prob
+    return out
+
+
+@pytest.mark.parametrize("ignore_draft", [False, True])
+def test_penalised_sampling_matches_the_penalised_target_distribution(ignore_draft, monkeypatch):
+    """Presence and frequency penalties at a draft position count the draft tokens before it: speculative samples
+    follow the exactly enumerated penalised distribution (draft model, k=2, 3 tokens). Negative control: penalties
+    that count only the tokens committed before the pass are caught."""
+    sampling, n_new, adjust = SamplingConfig(temperature=1.0), 3, LogitAdjust(presence=1.5, frequency=1.0)
+    expected = penalised_distribution(n_new, sampling, adjust)
+    if ignore_draft:
+        rows = LogitAdjust.rows
+        monkeypatch.setattr(LogitAdjust, "rows", lambda self, logits, generated, fed: torch.cat(
+            [rows(self, logits[j:j + 1], generated, []) for j in range(logits.shape[0])]))
+    generator, drafter, counts = make_generator(7), toy_draft_model(), {}
+    for _ in range(DRAWS):
+        steps = specdec.engine.speculative_decode(
+            ToyRunner(VOCAB, seed=0), drafter, torch.tensor([PROMPT]), k=FixedK(2), max_new_tokens=n_new,
+            sampling=sampling, generator=generator, adjust=adjust)
+        seq = tuple(t for step in steps for t in step.tokens)
+        counts[seq] = counts.get(seq, 0) + 1
+    assert (chi_square_p_value(counts, expected) > ALPHA) != ignore_draft
