@@ -3,7 +3,11 @@
 on upstream llama-server (its defaults, the same GGUF file), side by side in one run.
 
 Every prompt asks for a JSON record; each round sends every prompt with every feature to every server in turn (the
-servers' order rotated from one request to the next), streamed, prefill included, as bench-servers measures.
+features' and the servers' order rotated), streamed, prefill included, as bench-servers measures. Every request reads
+its prompt cold and drafts from nothing earlier: llama-server is asked not to reuse its cached prompt
+(`cache_prompt: false`), and specdec gets each (round, feature) under an API key of its own, whose requests draw on
+no other key's cached prompts or answers (the same prompt is sent once per feature and round, and a suffix lookup
+would otherwise copy the earlier answer).
 
     .venv/bin/python benchmarks/api_features.py --out docs/api-features-zen4
 
@@ -15,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
 
+import httpx
 import openai
 
 from specdec.bench.servers import (SERVERS, add_common_arguments, ask, measure_and_keep, rerender, results_header,
@@ -60,14 +66,29 @@ def run(args) -> int:
                "settings": {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": setup.threads,
                             "features": FEATURES, "prompts": PROMPTS},
                "records": []}
+    out.mkdir(parents=True, exist_ok=True)
+    keys = {(round_, feature): f"key-{round_}-{feature}" for round_ in range(args.rounds) for feature in FEATURES}
+    (out / "keys").write_text("\n".join(["warm-up", *keys.values()]) + "\n")
     servers = [SERVERS[name].server(name, setup) for name in SERVER_NAMES]
+    servers = [dataclasses.replace(server, argv=server.argv + ("--api-key-file", str(out / "keys")))
+               if not server.baseline else server for server in servers]
 
     def measure() -> None:
         with contextlib.ExitStack() as stack:
             running = start_servers(stack, servers, out, args.startup_timeout, results)
-            for name, (server, _, client, model) in running.items():  # warm-up, not measured
-                for extra in FEATURES.values():
-                    ask(client, model, PROMPTS[0], 16, server.token_ids, extra_body=extra)
+            for name, (server, proc, client, _) in list(running.items()):  # specdec's routes need a key
+                if not server.baseline:
+                    plan = httpx.get(f"{proc.url}/v1/specdec/plan", headers={"Authorization": "Bearer warm-up"})
+                    results["servers"][name].update(model=setup.target, kernel_plan=plan.json())
+                    running[name] = (server, proc, client, setup.target)
+            def client_of(name: str, key: str):
+                server, proc, _, model = running[name]
+                return openai.OpenAI(base_url=f"{proc.url}/v1", api_key=key, max_retries=0, timeout=1800)
+
+            for name, (server, _, _, model) in running.items():  # warm-up, not measured
+                for feature, extra in FEATURES.items():
+                    ask(client_of(name, "warm-up"), model,
+                        "Give JSON of: Ann, 30, Rome.", 16, server.token_ids, extra_body=extra)
             turn = 0
             for round_ in range(args.rounds):
                 for i, prompt in enumerate(PROMPTS):
@@ -79,10 +100,12 @@ def run(args) -> int:
                         order = list(running)[turn % len(running):] + list(running)[:turn % len(running)]
                         turn += 1
                         for name in order:
-                            server, proc, client, model = running[name]
+                            server, proc, _, model = running[name]
+                            client = client_of(name, keys[round_, feature])
+                            cold = {"cache_prompt": False} if server.baseline else {}
                             try:
                                 record = ask(client, model, prompt, args.max_tokens, server.token_ids,
-                                             extra_body=extra)
+                                             extra_body={**extra, **cold})
                             except openai.OpenAIError as error:  # counted in the report, not fatal
                                 record = {"error": f"{type(error).__name__}: {error}", "completion_tokens": 0,
                                           "wall_s": 0.0, "tokens_per_s": 0.0}
