@@ -14,8 +14,8 @@ from typing import Iterator, Protocol
 
 import torch
 
-from specdec.adjust import LogitAdjust
 from specdec import grammar
+from specdec.adjust import LogitAdjust
 from specdec.drafters.base import Drafter, Proposal
 from specdec.grammar import Constraint
 from specdec.logprobs import TokenLogprob, token_logprobs
