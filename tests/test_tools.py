@@ -53,3 +53,30 @@ def test_a_required_call_is_a_grammar_over_the_offered_functions():
     assert HERMES.grammar(tools, "add", False).what == "a call to 'add'"
     with pytest.raises(GrammarError, match="not among the tools"):
         HERMES.grammar(tools, "sub", False)
+
+
+@pytest.mark.real_model  # the default target's tokenizer and chat template
+def test_the_default_targets_template_teaches_the_hermes_format_and_takes_calls_back_in_the_history():
+    """Qwen2.5's own chat template: read as Hermes style; the tools rendered into its system turn; an assistant's
+    call and the tool's answer rendered back as <tool_call> and <tool_response>; a required call's grammar builds
+    with <tool_call> as the tokenizer's own token."""
+    from transformers import AutoTokenizer
+
+    from conftest import require
+    from specdec import registry
+
+    require(registry.gguf_ready(registry.DEFAULT_TARGET), f"{registry.DEFAULT_TARGET} is not pulled: make models")
+    path = registry.gguf_file(registry.DEFAULT_TARGET, progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(registry.gguf_tokenizer_dir(path), local_files_only=True)
+    assert tool_format(tokenizer.chat_template) is HERMES
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    history = [{"role": "user", "content": "1 + 2?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+               {"role": "tool", "content": "3"}]
+    text = tokenizer.apply_chat_template(history, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert '"name": "add"' in text
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>' in text
+    assert "<tool_response>\n3\n</tool_response>" in text
+    added = frozenset(token.content for token in tokenizer.added_tokens_decoder.values())
+    assert "<tool_call>" in added and "<tool_call> " in HERMES.grammar(tools, None, False, added).source

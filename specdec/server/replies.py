@@ -77,7 +77,7 @@ class Reply:
             offsets.append(self._offset)
             self._offset += len(piece)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs or []],
-                "top_logprobs": [None if lp.logprob is None else {text.text(token): logprob for token, logprob in lp.top}
+                "top_logprobs": [None if lp.logprob is None else {text.text(t): logprob for t, logprob in lp.top}
                                  for lp in logprobs or []],
                 "text_offset": offsets}
 
