@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdec import bench, registry, server
+from specdec import bench, progress, registry, server
 from specdec.options import add_generation_args, generator_from_args
 from specdec.registry.command import add_models_parser
 from specdec.runtimes import LLAMA_CPP
@@ -34,8 +34,6 @@ def add_generate_parser(subparsers) -> None:
 
 
 def run_generate(args) -> int:
-    from specdec.generator import SpeculativeGenerator
-
     gen = generator_from_args(args)
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
@@ -169,10 +167,45 @@ def _plain_llama_cpp(gen, args, stack: contextlib.ExitStack):
     return measure, None
 
 
+def add_calibrate_parser(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "calibrate", help="measure now what a first load would (exactness checks, kernel plan, pass costs), so "
+                          "that later loads read it: for images, clusters and set-up scripts")
+    add_generation_args(parser)
+    parser.add_argument("--json", action="store_true", help="print one JSON object: the plans, widths and costs")
+    parser.set_defaults(func=run_calibrate)
+
+
+def run_calibrate(args) -> int:
+    """Load the models as generate and serve do (which measures whatever this machine has not measured yet, once),
+    then say what was found."""
+    gen = generator_from_args(args)
+    batching = gen.runtime.batching(gen.target)  # None where the runtime fuses no passes
+    found = {"kernel_plans": gen.kernel_plans(), "batch_width": batching.width if batching else None,
+             "pass_ms": {role: {width: round(1000 * s, 2) for width, s in costs.pass_s.items()}
+                         for role, costs in (("target", gen.target_costs), ("draft", gen.draft_costs)) if costs}}
+    if args.json:
+        print(json.dumps(found))
+        return 0
+    for role, plan in found["kernel_plans"].items():
+        print(f"{role} kernel plan: {plan}")
+    for role, costs in found["pass_ms"].items():
+        shown = ", ".join(f"{width}: {ms:.1f}" for width, ms in costs.items() if width in (1, 2, 4, 8, 16))
+        print(f"{role} pass of N tokens (ms): {shown}")
+    if found["batch_width"] is not None:
+        print(f"exact verify and batch width: {found['batch_width']} tokens")
+    if found["kernel_plans"] or found["pass_ms"]:
+        print("calibrated: later loads of these models with these settings read it from the cache")
+    else:
+        print(f"the {gen.runtime.name} runtime keeps no calibration between loads: each load measures what it needs")
+    return 0
+
+
 # name -> function that adds the subcommand's parser (and sets its handler as `func`)
 COMMANDS = {
     "generate": add_generate_parser,
     "models": add_models_parser,
+    "calibrate": add_calibrate_parser,
     "serve": server.add_serve_parser,
     "bench": bench.add_bench_parser,
     "load": bench.add_load_parser,
@@ -193,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # per-tensor loading bars of a cached model flash by in 0.1 s
+    progress.log_to_stderr()  # what a long step (a calibration, a load) is doing, and its ETA
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, registry.RegistryError) as error:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from specdec import registry
+from specdec import progress, registry
 from specdec.runtimes import RUNTIMES, pick_runtime
 
 
@@ -59,9 +59,11 @@ def generator_from_args(args, prompt_cache: float = 0):
     draft_quantization = {"auto": runtime.default_draft_quantization, "none": None}.get(args.quantize_draft,
                                                                                      args.quantize_draft)
     draft = None if args.draft == "none" else args.draft
-    gen = SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
-                               draft_quantization=draft_quantization, runtime=runtime, threads=args.threads,
-                               prompt_cache=prompt_cache)
+    drafting = "target-only" if draft is None else f"drafting with {draft}"
+    with progress.step(f"loading {args.target}, {drafting}, on {runtime.name}"):
+        gen = SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
+                                   draft_quantization=draft_quantization, runtime=runtime, threads=args.threads,
+                                   prompt_cache=prompt_cache)
     if gen.cross_vocabulary:
         print(f"specdec: {gen.cross_vocabulary}", file=sys.stderr)
     return gen

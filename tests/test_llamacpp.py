@@ -409,6 +409,27 @@ def test_cli_generate_on_llama_cpp_compares_with_target_only(gguf_path, capsys):
     assert "own quantized weights" in capsys.readouterr().err
 
 
+def test_cli_calibrate_measures_what_a_load_needs_and_says_what_it_found(gguf_path, model, capsys):
+    """`specdec calibrate` (for images and clusters) loads the models as generate does and prints the kernel plans,
+    the pass costs and the exact width, here read from the cache the module's model filled."""
+    import json
+
+    from specdec.cli import main
+
+    target, _ = model
+    assert main(["calibrate", "--runtime", "llama.cpp", "--threads", "1", "--target", gguf_path, "--draft", "none",
+                 "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["kernel_plans"] == {"target": target.kernel_plan.describe()}
+    assert found["batch_width"] == target.batch_width and set(found["pass_ms"]) == {"target"}
+    assert float(found["pass_ms"]["target"]["1"]) == round(1000 * target.costs.step_s, 2)
+    assert main(["calibrate", "--runtime", "llama.cpp", "--threads", "1", "--target", gguf_path, "--draft",
+                 "none"]) == 0
+    said = capsys.readouterr()
+    assert "target kernel plan: " in said.out and "target pass of N tokens (ms): 1: " in said.out
+    assert "loading " in said.err and ": done in " in said.err  # the load's progress, on stderr
+
+
 def test_server_on_llama_cpp_answers_concurrent_openai_clients_like_generate(model, gguf_path):
     """Requests queue for the one llama.cpp context; each answer equals the same request run alone."""
     from concurrent.futures import ThreadPoolExecutor
@@ -1280,3 +1301,45 @@ def test_a_context_takes_memory_for_the_cells_it_holds_not_for_its_size(gguf_pat
     assert written >= 0.5 * 1024 * fresh.kv_bytes_per_token, f"1,024 cells took only {written / 2**20:.1f} MiB"
     runner.close()
     pool.close()
+
+
+def test_the_self_test_at_load_narrows_verification_where_a_wide_pass_is_not_exact(model, monkeypatch):
+    """At every load a target checks one pass as wide as it will verify against one-token passes, whatever the
+    cached calibrations say. Negative control: verify passes one float step off fail it, and the model then verifies
+    (and batches) one token at a time."""
+    target, _ = model
+    monkeypatch.setattr(target, "_self_test_failed", False)  # (restored for the module's other tests)
+    assert target.self_test() and target.verify_width(16) > 1
+    exact_forward = llamacpp.LlamaCppRunner.forward
+
+    def off_when_verifying(runner, ids, last_only=False):
+        logits = exact_forward(runner, ids, last_only)
+        return nudged(logits) if 1 < ids.shape[1] < runner.length else logits  # (not a prompt's prefill)
+
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "forward", off_when_verifying)
+    assert not target.self_test()
+    assert target.verify_width(16) == target.batch_width == target.alone_in_slot_width == 1
+
+
+def test_a_new_thread_count_times_the_kernels_again_but_reads_the_exactness_checks(gguf_path, model, monkeypatch):
+    """The exactness checks (verify widths after long contexts, batch shapes) hold whatever the thread count and the
+    kernel plan: a model loaded with another thread count times its own kernel plan and pass costs, and reads them."""
+    target, _ = model
+    target.prepare_as_target()
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("an exactness check was measured again for another thread count")
+
+    monkeypatch.setattr(llamacpp.calibration, "measure_exact_widths", measured_again)
+    monkeypatch.setattr(llamacpp.calibration, "measure_batch_width", measured_again)
+    other = llamacpp.LlamaCppModel(gguf_path, threads=2, repack=target.repack)
+    assert other.threads == 2 and other.kernel_calibration["plan"] and other.costs.step_s > 0
+    other.prepare_as_target()
+    assert other._measured["exactness"] == target._measured["exactness"]
+    assert other.batch_calibration == target.batch_calibration
+    # ... capped by the plan's own check: a plan whose kernel at 5 tokens was not found exact verifies at most 4
+    widest = min(target._measured["exactness"]["exact_width"].values())
+    assert other.verify_width(16) == min(widest, other.plan_exact_width)
+    exact = {width: [] if width == "5" else kernels for width, kernels in other.kernel_calibration["exact"].items()}
+    monkeypatch.setitem(other._measured, "kernel-plan", {**other.kernel_calibration, "exact": exact})
+    assert other.plan_exact_width == 4 and other.verify_width(16) == min(widest, 4) and other.batch_width <= 4

@@ -634,12 +634,25 @@ def test_each_keys_requests_draft_only_from_that_keys_earlier_text_unless_shared
 # ---- `specdec serve`
 
 
+def served_when_loaded(ran: dict, bound: threading.Event | None = None):
+    """A stand-in for uvicorn.Server.run: `bound` set (the port is taken), then it waits for the models' load and
+    records the app built, the host and the port, as a server stopped once loaded."""
+
+    def run(server):
+        if bound is not None:
+            bound.set()
+        assert server.config.app.loaded.wait(60)
+        ran.update(app=server.config.app.app, host=server.config.host, port=server.config.port)
+
+    return run
+
+
 def test_serve_command_builds_one_generator_and_binds_loopback(monkeypatch, generator):
     import specdec.generator
 
     built, ran = [], {}
     monkeypatch.setattr(specdec.generator, "SpeculativeGenerator", lambda *args, **kw: built.append(args) or generator)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app, **kw))
+    monkeypatch.setattr(uvicorn.Server, "run", served_when_loaded(ran))
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     parser = argparse.ArgumentParser()
     server.add_serve_parser(parser.add_subparsers())
@@ -898,9 +911,14 @@ def test_ctx_size_flag_reaches_the_app_and_a_bad_one_is_refused_at_start(monkeyp
     import specdec.generator
     from specdec.cli import main
 
-    ran = {}
-    monkeypatch.setattr(specdec.generator, "SpeculativeGenerator", lambda *args, **kw: generator)
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(app=app))
+    ran, bound = {}, threading.Event()
+
+    def load(*args, **kw):  # the models load only once the port is bound
+        assert bound.wait(30), "the models were loaded before the server bound its port"
+        return generator
+
+    monkeypatch.setattr(specdec.generator, "SpeculativeGenerator", load)
+    monkeypatch.setattr(uvicorn.Server, "run", served_when_loaded(ran, bound))
     serve_ = ["serve", "--target", "some/model", "--draft", "none"]
     assert main([*serve_, "--ctx-size", "100", "--request-timeout", "5"]) == 0
     assert ran["app"].state.service.context == 100
@@ -915,6 +933,46 @@ def test_ctx_size_flag_reaches_the_app_and_a_bad_one_is_refused_at_start(monkeyp
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     assert "(default: what memory allows" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_starting_server_answers_503_with_its_progress_until_its_app_is_built(generator):
+    """The port is bound before the models load: /health says what is being done and how far it is, the API routes
+    answer 503 in OpenAI's shape, then every request reaches the built app. A load that fails stops the server."""
+    from specdec import progress
+    from specdec.server.starting import Starting
+
+    calibrating, release = threading.Event(), threading.Event()
+
+    def build():
+        with progress.step("calibrating tiny.gguf: the cost of a pass of each width", total=4, unit="width") as step:
+            step.advance()
+            calibrating.set()
+            assert release.wait(30)
+        return create_app(generator, MODEL)
+
+    starting = Starting(MODEL)
+    with serve(starting) as base:
+        starting.start(build)
+        assert calibrating.wait(30)
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and health.headers["retry-after"] == "5"
+        body = health.json()
+        assert body["status"] == "calibrating" and body["model"] == MODEL
+        assert [(s["step"], s["done"], s["total"]) for s in body["progress"]["steps"]] == [
+            ("calibrating tiny.gguf: the cost of a pass of each width", 1, 4)]
+        refused = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "server_starting"
+        assert "calibrating tiny.gguf" in refused.json()["error"]["message"]
+        release.set()
+        assert starting.loaded.wait(30) and starting.failure is None
+        assert httpx.get(f"{base}/health").json()["status"] == "ok"
+        answer = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "ab", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+    stopped = threading.Event()
+    failing = Starting(MODEL)
+    failing.load(lambda: (_ for _ in ()).throw(ValueError("--ctx-size too large")), on_failure=stopped.set)
+    assert stopped.is_set() and isinstance(failing.failure, ValueError) and failing.app is None
 
 
 def test_an_api_key_file_gives_several_keys_and_a_bad_one_is_refused_before_loading(generator, tmp_path):

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from specdec import progress
 from specdec.runtimes.base import Runner, Runtime
 
 
@@ -144,7 +145,8 @@ def measure_exact_width(model, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_C
     sequence = TorchRunner(model, rows)
     sequence.forward(probe_tokens(rows, lengths[0]), last_only=True)
     widest, checked = max(widths), lengths[0]
-    for length in progress(lengths, model):
+    for length in progress.each(lengths, f"calibrating {model_name(model)}: exact verify width after N tokens",
+                                "context"):
         repeat_cache_to(sequence.cache, length)
         continuation = probe_tokens(rows, length + max(widths))[:, length:]
         exact = exact_pass_widths(sequence, continuation, [w for w in widths if w <= widest], until_inexact=True)
@@ -193,13 +195,8 @@ def probe_tokens(vocab_size: int, n: int) -> torch.Tensor:
     return torch.arange(n)[None] * 7919 % vocab_size  # [1, n] any in-vocabulary tokens, spread over the vocabulary
 
 
-def progress(lengths, model):
-    """lengths, with a progress bar on a terminal (a real model's long context takes a while, once per process)."""
-    from tqdm import tqdm
-
-    name = Path(str(getattr(model, "name_or_path", "") or type(model).__name__)).name
-    return tqdm(lengths, desc=f"calibrating {name}: exact verify width after N tokens", unit="context", leave=False,
-                disable=None, file=sys.stderr)
+def model_name(model) -> str:
+    return Path(str(getattr(model, "name_or_path", "") or type(model).__name__)).name
 
 
 class TorchPool:

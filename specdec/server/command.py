@@ -12,6 +12,7 @@ from specdec.generator import DEFAULT_MAX_BATCH
 from specdec.options import add_generation_args, add_prompt_cache_arg, generator_from_args
 from specdec.server.app import create_app
 from specdec.server.limits import CTX_STEP, MEMORY_SHARE
+from specdec.server.starting import Starting
 from specdec.server.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_REQUEST_TIMEOUT_S
 
 
@@ -108,18 +109,30 @@ def check_serve_args(args) -> None:
 
 
 def run_serve(args) -> int:
+    """Bind the port first, then load the models behind it (/health: 503 "calibrating" or "loading", with the
+    progress, until they serve: server.starting); a load that fails stops the server and is raised here."""
     if any(getattr(args, flag) is not None for flag in CLUSTER_FLAGS):
         from specdec.cluster.command import run_replicated
 
         return run_replicated(args)
     import uvicorn
 
-    app = app_from_args(args)
-    service = app.state.service
-    print(f"specdec: up to {service.scheduler.batch.max_batch} requests at once (--max-batch), each of up to "
-          f"{service.context} tokens (--ctx-size)", file=sys.stderr)
+    check_serve_args(args)
     warn_if_open(args)
-    uvicorn.run(app, host=args.host, port=args.port)
+    starting = Starting(args.model_name or args.target)
+    server = uvicorn.Server(uvicorn.Config(starting, host=args.host, port=args.port))
+
+    def build():
+        app = app_from_args(args)
+        service = app.state.service
+        print(f"specdec: ready: up to {service.scheduler.batch.max_batch} requests at once (--max-batch), each of "
+              f"up to {service.context} tokens (--ctx-size)", file=sys.stderr)
+        return app
+
+    starting.start(build, on_failure=lambda: setattr(server, "should_exit", True))
+    server.run()
+    if starting.failure is not None:
+        raise starting.failure
     return 0
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
+from specdec import progress
 from specdec.runtimes.llamacpp import kv_blocks
 from specdec.runtimes.llamacpp.context import SlotPool
 from specdec.runtimes.llamacpp.library import kernels_id
@@ -33,15 +33,36 @@ CALIBRATION_WIDTHS = range(2, 17)  # pass widths checked: up to 15 draft tokens,
 # caches; and a long context (prompts of a few pages). Beyond the longest, the engine verifies one token at a time.
 CALIBRATION_CONTEXTS = (16, 600, 4096)
 CALIBRATION_VERSION = 8  # bump when what is measured changes: older cached results are then measured again
+CALIBRATIONS = {  # kind -> what it measures, as progress names it
+    "layouts": "which weight layout runs faster",
+    "kernel-plan": "which kernels take each pass width",
+    "costs": "the cost of a pass of each width",
+    "exactness": "the widest verify pass exact at each context length",
+    "prefill-split": "where prompts run faster in the other weight layout",
+    "batch-shapes": "which batched passes stay exact",
+}
+
+
+# What is a property of the weights, the library build and the CPU, not of the timings: whether passes stay exact
+# beyond the kernel plan's short context (the attention path over longer caches, batches of sequences). The thread
+# count and the kernel plan change neither: every output element of a matrix product is one dot product over the whole
+# row whatever the threads, the multi-column kernels give each column llama.cpp's own one-column result (which
+# measure_kernel_plan checks, per width, for the plan in force: LlamaCppModel.plan_exact_width caps these), and the
+# plan touches no attention. So they are measured once per model file, build, CPU, cache type and weight layout, and a
+# new --threads value or plan does not measure them again.
+EXACTNESS_KINDS = ("exactness", "batch-shapes")
 
 
 def cached(model: LlamaCppModel, kind: str, measure) -> dict:
-    """measure(model), cached per model file, llama.cpp build, CPU, threads, cache type, weight layouts and kernel
-    plan (so that what was measured under one plan is never read under another)."""
+    """measure(model), cached per model file, llama.cpp build, CPU, cache type and weight layouts, and, for the
+    timings, per thread count and kernel plan (so that what was timed under one plan is never read under another)."""
     plan = model.kernel_plan
+    describe = {"threads": model.threads, "kv_cache": model.kv_setting, "repack": model.repack,
+                "kernel_plan": plan.describe()}
+    if kind in EXACTNESS_KINDS:
+        return cached_json(model.path, kind, f"{model.kv_setting}|{model.repack}", lambda: measure(model), describe)
     return cached_json(model.path, kind, f"{model.threads}|{model.kv_setting}|{model.repack}|{plan.key}",
-                        lambda: measure(model), {"threads": model.threads, "kv_cache": model.kv_setting,
-                                                 "repack": model.repack, "kernel_plan": plan.describe()})
+                       lambda: measure(model), describe)
 
 
 def cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -> dict:
@@ -50,7 +71,6 @@ def cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -
     import json
     from importlib.metadata import version
 
-    from specdec import registry
     from specdec.runtimes.llamacpp.kernels import multi_column_kernels
 
     stat = path.stat()
@@ -59,7 +79,7 @@ def cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('llama_cpp_python')}|"
                          f"{kernels_id()}|{multi_column_kernels()}|{cpu}|{settings}|{CALIBRATION_VERSION}".encode()
                          ).hexdigest()[:24]
-    cached = registry.cache_root() / "calibration" / f"{path.stem}-{kind}-{key}.json"
+    cached = calibration_folder() / f"{path.stem}-{kind}-{key}.json"
 
     def read() -> dict | None:
         try:
@@ -75,11 +95,19 @@ def cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -
         found = read()  # another process may have measured it while this one waited
         if found is None:
             # (a calibration that another one needs runs on that one's thread)
-            found = measure() if _calibration_depth > 1 else on_a_thread_of_its_own(measure)
+            with progress.step(f"calibrating {path.name}: {CALIBRATIONS.get(kind, kind)} (once on this machine)"):
+                found = measure() if _calibration_depth > 1 else on_a_thread_of_its_own(measure)
             partial = cached.with_name(cached.name + ".partial")
             partial.write_text(json.dumps({"model": str(path), **describe, "measured": found}) + "\n")
             partial.replace(cached)
     return found
+
+
+def calibration_folder() -> Path:
+    """Where the calibrations are cached (deleting it measures everything again at the next load)."""
+    from specdec import registry
+
+    return registry.cache_root() / "calibration"
 
 
 def on_a_thread_of_its_own(work):
@@ -129,9 +157,8 @@ def _calibrating(folder: Path):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if sys.stderr.isatty():
-                print("another process is calibrating on this machine: waiting for it ...", file=sys.stderr)
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            with progress.step("another process is calibrating on this machine: waiting for it"):
+                fcntl.flock(lock, fcntl.LOCK_EX)
         _calibration_depth = 1
         try:
             yield
@@ -179,7 +206,7 @@ def measure_pass_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats:
         return time.perf_counter() - started
 
     one_token, ratios = [], {width: [] for width in widths}
-    for _ in range(repeats):
+    for _ in progress.each(range(repeats), "timing passes of each width", "round"):
         for width in widths:
             one_token.append(seconds(1))
             ratios[width].append(seconds(width) / one_token[-1])
@@ -258,13 +285,9 @@ def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contex
     """At each context length (capped by the model's), evaluate the same tokens one at a time and in passes of each
     width in widths -> {"exact_width": {length: the largest w such that every pass of 2..w tokens gives the one-token logits
     bit for bit (1 if none does)}}. The long context costs a prefill of that many tokens, once per machine."""
-    from tqdm import tqdm
-
     found = {}
     lengths = sorted({min(n, model.max_length - max(widths)) for n in contexts})
-    # On a terminal only: the long context takes about a minute for a 1.5B model on 2 cores, once.
-    for length in tqdm(lengths, desc=f"calibrating {model.path.name} (once): exact verify width after N tokens",
-                       unit="context", leave=False, disable=None, file=sys.stderr):
+    for length in progress.each(lengths, "verify passes against one-token passes after N tokens", "context"):
         tokens = probe_tokens(model, length + max(widths))
         runner = private_runner(model, tokens.shape[1])
         runner.forward(tokens[:, :length], last_only=True)
@@ -302,7 +325,7 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
     continuations = [probe_tokens(model, n * (i + 2))[:, -needed[i]:] for i in range(n)]  # all different
     prompts = {length: probe_tokens(model, length + 1)[:, 1:] for length in lengths}  # [1, length]
     alone_prefill, alone_cache, alone = {}, {}, [None] * n
-    for length, prompt in prompts.items():  # each prompt alone, then each of its slots' continuations one at a time
+    for length, prompt in progress.each(prompts.items(), "prompts prefilled alone", "prompt"):  # each prompt alone, then each of its slots' continuations one at a time
         runner = private_runner(model, length + n)
         alone_prefill[length] = runner.forward(prompt, last_only=True)
         alone_cache[length] = cache_rows(runner.pool.context.save_state(runner.seq), length)
@@ -316,7 +339,7 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
         runner.close()
     runners = [slots.take(model.n_vocab) for _ in range(n)]
     prefill_exact, states = True, {}
-    for i, runner in enumerate(runners):
+    for i, runner in progress.each(enumerate(runners), "the same prompts prefilled in batch slots", "slot"):
         length = prefix_of[i]
         if length in states:  # a copy of the slot prefilled before: equal contents, at no second prefill's cost
             slots.context.load_state(states[length], runner.seq)
@@ -327,7 +350,7 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
             cache = cache_rows(states[length], length)
             prefill_exact &= cache is not None and cache == alone_cache[length]
     widest = alone_widest = 1  # of every shape; of one sequence alone
-    for width in widths:
+    for width in progress.each(widths, "batched passes of each width", "width"):
         shared = by_itself = True
         for mix in mixes[width]:
             if len(mix) > 1 and widest < width - 1:  # shared passes stopped being exact at a narrower width

@@ -18,7 +18,6 @@ import ctypes
 import functools
 import os
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,12 @@ MULTI_COLUMN = 1  # the flag bits of native/llama.cpp-verify-columns.patch (GGML
 WIDE = 2
 PREFETCH_DISTANCES = (0, 4096, 16384)  # bytes ahead that the multi-column kernels may prefetch the weights
 PLAN_PREFIX = 16  # cached tokens before the timed passes (the calibration's short context)
-PLAN_REPEATS = 5  # timed passes per candidate and width, interleaved; the median counts
+PLAN_REPEATS = 5  # timed passes per candidate and width, interleaved; the fastest counts
+# After the first round a width times again only the exact candidates within this factor of its fastest so far, and
+# after the second within the next: a kernel 1.5-2.4x slower (llama.cpp's own at 8-16 tokens here) or inexact cannot
+# win, and timing it four more times was a third of a first load's calibration (EPYC Zen 4, 2 threads: 71 s for
+# the 1.5B target before).
+PLAN_MARGINS = (1.3, 1.12)
 
 
 @dataclass(frozen=True)
@@ -166,8 +170,8 @@ def measure_kernel_plan(model, repeats: int = PLAN_REPEATS) -> dict:
     {kernel: its fastest pass, seconds}}, "exact": {width: [kernels whose pass was exact]}}. Longer contexts and batches are
     checked afterwards, under the chosen plan (measure_exact_widths, measure_batch_width)."""
     import torch
-    from tqdm import tqdm
 
+    from specdec import progress
     from specdec.runtimes.llamacpp.calibration import one_token_logits, private_runner, probe_tokens
 
     kernels = candidates()
@@ -179,12 +183,14 @@ def measure_kernel_plan(model, repeats: int = PLAN_REPEATS) -> dict:
         reference = one_token_logits(runner, tokens[:, PLAN_PREFIX:])
         seconds = {width: {kernel: [] for kernel in kernels} for width in range(1, MAX_WIDTH + 1)}
         exact = {width: [] for width in range(1, MAX_WIDTH + 1)}
-        rounds = tqdm(range(repeats), desc=f"calibrating {model.path.name} (once): kernels per pass width",
-                      unit="round", leave=False, disable=None, file=sys.stderr)
-        for round_ in rounds:
+        timed = {width: list(kernels) for width in range(1, MAX_WIDTH + 1)}  # the candidates still in the running
+        for round_ in progress.each(range(repeats), f"{len(kernels)} kernels timed at widths 1-{MAX_WIDTH}", "round"):
+            if round_:
+                timed = {width: still_running(seconds[width], exact[width], PLAN_MARGINS[min(round_, 2) - 1])
+                         for width in timed}
             for width in range(1, MAX_WIDTH + 1):
-                for i in range(len(kernels)):
-                    kernel = kernels[(i + round_ + width) % len(kernels)]  # a different order every time
+                for i in range(len(timed[width])):
+                    kernel = timed[width][(i + round_ + width) % len(timed[width])]  # a different order every time
                     model._kernel_plan = KernelPlan.uniform(kernel)
                     runner.rollback(PLAN_PREFIX)
                     started = time.perf_counter()
@@ -197,12 +203,22 @@ def measure_kernel_plan(model, repeats: int = PLAN_REPEATS) -> dict:
         runner.rollback(0)
     # The fastest of each candidate's passes: a busy moment of a shared machine only ever slows a pass down, so the
     # minimum is what the kernel can do (medians of 5 let one burst of another process's work pick the plan).
-    fastest = {width: {kernel: min(times) for kernel, times in by_kernel.items()} for width, by_kernel in seconds.items()}
+    fastest = {width: {kernel: min(times) for kernel, times in by_kernel.items()}
+               for width, by_kernel in seconds.items()}
     plan = choose_plan(fastest, exact)
     return {"plan": plan.to_json(), "describe": plan.describe(),
             "pass_s": {str(width): {kernel.describe(): s for kernel, s in by_kernel.items()}
                        for width, by_kernel in fastest.items()},
             "exact": {str(width): [kernel.describe() for kernel in found] for width, found in exact.items()}}
+
+
+def still_running(seconds: dict[Kernel, list[float]], exact: list[Kernel], margin: float) -> list[Kernel]:
+    """The candidates of one width worth timing again: the exact ones whose fastest pass so far is within `margin`
+    of the fastest exact one's (all of them where none was exact: the plan then keeps llama.cpp's own anyway)."""
+    if not exact:
+        return [LLAMA_CPP]
+    best = min(min(seconds[kernel]) for kernel in exact)
+    return [kernel for kernel in exact if min(seconds[kernel]) <= margin * best]
 
 
 def choose_plan(seconds: dict[int, dict[Kernel, float]], exact: dict[int, list[Kernel]]) -> KernelPlan:

@@ -31,8 +31,6 @@ def measure_layouts(path: Path, threads: int) -> dict:
     import json
     import subprocess
 
-    if sys.stderr.isatty():
-        print(f"timing llama.cpp's weight layouts for {Path(path).name} on this CPU (once) ...", file=sys.stderr)
     # A fresh interpreter, not a multiprocessing worker: that would re-run the caller's script (a script without a
     # __main__ guard would start over in it), and it must not inherit this process's llama.cpp and torch threads.
     code = ("import sys; from specdec.runtimes.llamacpp.layouts import time_layouts; "

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from pathlib import Path
 
-import numpy as np
+import torch
+
 
 from specdec.prompt_cache import PromptCache
 from specdec.runtimes.base import PassCosts
@@ -17,6 +19,8 @@ from specdec.runtimes.llamacpp.kernels import LLAMA_CPP as LLAMA_CPP_KERNELS
 from specdec.runtimes.llamacpp.kernels import KernelPlan
 from specdec.runtimes.llamacpp.layouts import choose_layouts
 from specdec.runtimes.llamacpp.library import default_threads, library, recent_problems
+
+log = logging.getLogger("specdec.llamacpp")
 
 
 class LlamaCppModel:
@@ -93,6 +97,7 @@ class LlamaCppModel:
         self.kv_bytes_per_token = int(2 * lib.llama_model_n_layer(self.handle) * lib.llama_model_n_head_kv(
             self.handle) * head_dim * KV_CACHE_BYTES[kv_cache])
         self._measured: dict[str, dict] = {}
+        self._self_test_failed = False  # (self_test): then every pass the engine verifies holds one token
         self._kernel_plan: KernelPlan | None = None
         # How its sequence states lay out their rows, for the prompt cache's blocks (kv_blocks.split learns it)
         self.kv_format: kv_blocks.StateFormat | None = None
@@ -135,6 +140,19 @@ class LlamaCppModel:
         return self._kernel_plan
 
     @property
+    def plan_exact_width(self) -> int:
+        """The widest pass up to which the kernel plan's kernel at every width gave one-token logits bit for bit
+        (measure_kernel_plan's check, for this plan: a width where no kernel was exact keeps llama.cpp's own, which
+        may not be). The exactness calibrations, measured once whatever the plan, are capped by it."""
+        exact = self.kernel_calibration["exact"]
+        widest = 1
+        for width, kernel in enumerate(self.kernel_plan.kernels[1:], start=2):
+            if kernel.describe() not in exact[str(width)]:
+                break
+            widest = width
+        return widest
+
+    @property
     def costs(self) -> PassCosts:
         """Seconds of a pass over each width of one sequence (calibration.measure_pass_costs)."""
         found = self._calibrated("costs", calibration.measure_pass_costs)
@@ -145,7 +163,7 @@ class LlamaCppModel:
         """{cached tokens: the widest pass whose logits equal one-token passes bit for bit there}
         (calibration.measure_exact_widths). Only a target needs it: drafts never have to be exact."""
         found = self._calibrated("exactness", calibration.measure_exact_widths)
-        return {int(length): width for length, width in found["exact_width"].items()}
+        return {int(length): min(width, self.plan_exact_width) for length, width in found["exact_width"].items()}
 
     @property
     def prefill_min_tokens(self) -> int | None:
@@ -167,12 +185,16 @@ class LlamaCppModel:
     def batch_width(self) -> int:
         """The most tokens, over one or several sequences, that a pass may hold while every token still gets the
         logits of a one-token pass of its own sequence."""
-        return min(self.batch_calibration["batch_width"], min(self.exact_widths.values()))
+        if self._self_test_failed:
+            return 1
+        return min(self.batch_calibration["batch_width"], min(self.exact_widths.values()))  # (both plan-capped)
 
     @property
     def alone_in_slot_width(self) -> int:
         """The most tokens a pass of one sequence alone in a slot of a pool of several may hold (a seeded sample's,
         which verifies as it would alone) while every token still gets its one-token logits."""
+        if self._self_test_failed:
+            return 1
         return min(self.batch_calibration["alone_width"], min(self.exact_widths.values()))
 
     @property
@@ -182,9 +204,36 @@ class LlamaCppModel:
         return self.batch_calibration["prefill_in_slot_exact"]
 
     def prepare_as_target(self) -> None:
-        """Calibrate what a target needs (its exact verify and batch widths) now, not inside the first request."""
+        """Calibrate what a target needs (its exact verify and batch widths) now, not inside the first request, and
+        check them in this process (self_test)."""
         self.exact_widths
         self.batch_width
+        self.self_test()
+
+    def self_test(self) -> bool:
+        """At every load: a pass as wide as the engine will verify, after a short context, against one-token passes
+        (under a second: the calibrations read from the cache are keyed by the library build and the CPU, and this
+        checks that what they promise holds in this process). Where it does not, the model verifies one token at a
+        time from now on, and says so. -> whether the pass was exact."""
+        width = self.verify_width(calibration.CALIBRATION_CONTEXTS[0])
+        if width > 1:
+            prefix = calibration.CALIBRATION_CONTEXTS[0]
+            tokens = calibration.probe_tokens(self, prefix + width)
+            runner = calibration.private_runner(self, tokens.shape[1])
+            try:
+                runner.forward(tokens[:, :prefix], last_only=True)
+                single = calibration.one_token_logits(runner, tokens[:, prefix:])
+                runner.rollback(prefix)
+                exact = torch.equal(runner.forward(tokens[:, prefix:])[0], single)
+            finally:
+                runner.close()
+            if not exact:
+                log.warning("%s: a pass over %d tokens did not reproduce one-token passes bit for bit, as the "
+                            "calibration cached for this library and CPU promised: verifying one token at a time. "
+                            "Delete %s to measure again", self.path.name, width,
+                            calibration.calibration_folder())
+                self._self_test_failed = True
+        return not self._self_test_failed
 
     def verify_width(self, length: int) -> int:
         """The widest pass the engine may verify after `length` cached tokens (>= 1).
@@ -195,6 +244,8 @@ class LlamaCppModel:
         calibrated length; beyond that nothing was checked, so passes there verify one token.
         """
         widths = self.exact_widths
+        if self._self_test_failed:
+            return 1
         return min(widths.values()) if length <= max(widths) else 1
 
     def fused_pass_cost(self, items) -> float:
