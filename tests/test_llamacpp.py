@@ -172,7 +172,8 @@ def test_calibration_is_cached_and_gives_priors_for_auto_k(model, gguf_path):
     target, tokenizer = model
     fresh = llamacpp.LlamaCppModel(gguf_path, threads=1)
     assert fresh.costs == target.costs and fresh.exact_widths == target.exact_widths  # read back, not measured
-    assert set(fresh.exact_widths) == set(llamacpp.CALIBRATION_CONTEXTS)
+    assert set(fresh.exact_widths) == set(fresh.batch_calibration["contexts"]) == {
+        16, 600, llamacpp.DEFAULT_SLOT_TOKENS - max(llamacpp.CALIBRATION_WIDTHS)}
     assert fresh.costs.step_s > 0 and fresh.costs.verify_slope >= 0
     gen = SpeculativeGenerator(target, gguf_path, k="auto", tokenizer=tokenizer)
     priors = gen.k_priors()
@@ -181,7 +182,7 @@ def test_calibration_is_cached_and_gives_priors_for_auto_k(model, gguf_path):
 
 def test_beyond_the_longest_calibrated_context_one_token_is_verified(model):
     target, _ = model
-    longest = max(llamacpp.CALIBRATION_CONTEXTS)
+    longest = max(target.exact_widths)
     assert target.verify_width(longest) == min(target.exact_widths.values())
     assert target.verify_width(longest + 1) == 1
 
@@ -663,8 +664,10 @@ def test_the_batch_calibration_checks_the_shapes_a_server_makes(model):
     spread, one sequence alone) reproduce each sequence's own one-token passes bit for bit."""
     target, _ = model
     widest = max(llamacpp.CALIBRATION_WIDTHS)
+    contexts = [16, 600, llamacpp.DEFAULT_SLOT_TOKENS - widest]
     assert target.batch_calibration == {"batch_width": widest, "alone_width": widest, "prefill_in_slot_exact": True,
-                                        "contexts": [16, 600, llamacpp.DEFAULT_SLOT_TOKENS - widest]}
+                                        "exact_width": {str(length): widest for length in contexts},
+                                        "contexts": contexts}
     assert target.batch_width == widest == target.alone_in_slot_width and target.prefills_in_slots_exactly
     mixes = llamacpp.batch_mixes(5, 16)
     assert all(sum(n for _, n in mix) == 5 and len({s for s, _ in mix}) == len(mix) for mix in mixes)
@@ -695,7 +698,8 @@ def test_negative_control_the_batch_calibration_catches_an_inexact_shape_and_an_
     monkeypatch.setattr(llamacpp.SlotPool, "forward_many", off_with_gaps)
     small = dict(widths=range(2, 8), contexts=(16, 200))  # enough to catch both; cheaper than the full calibration
     found = llamacpp.measure_batch_width(target, **small)
-    assert found == {"batch_width": 4, "alone_width": 7, "prefill_in_slot_exact": True, "contexts": [16, 200]}
+    assert found == {"batch_width": 4, "alone_width": 7, "prefill_in_slot_exact": True,
+                     "exact_width": {"16": 7, "200": 7}, "contexts": [16, 200]}
     monkeypatch.setattr(llamacpp.SlotPool, "forward_many", exact_forward_many)
     exact_forward = llamacpp.LlamaCppRunner.forward
 
@@ -707,6 +711,14 @@ def test_negative_control_the_batch_calibration_catches_an_inexact_shape_and_an_
     monkeypatch.setattr(llamacpp.LlamaCppRunner, "forward", off_alone_in_a_slot)
     found = llamacpp.measure_batch_width(target, **small)
     assert (found["batch_width"], found["alone_width"], found["prefill_in_slot_exact"]) == (5, 5, True)
+
+    def off_alone_in_a_context_of_its_own(runner, ids, last_only=False):  # (what a solo request verifies in)
+        logits = exact_forward(runner, ids, last_only)
+        return nudged(logits) if runner.pool.sequences == 1 and 4 <= ids.shape[1] < runner.length else logits
+
+    monkeypatch.setattr(llamacpp.LlamaCppRunner, "forward", off_alone_in_a_context_of_its_own)
+    found = llamacpp.measure_batch_width(target, **small)
+    assert found["exact_width"] == {"16": 3, "200": 3} and found["batch_width"] == 7
 
     def another_prompts_cache_in_slots(runner, ids, last_only=False):
         logits = exact_forward(runner, ids, last_only)
@@ -920,11 +932,12 @@ def test_another_ggml_on_ld_library_path_is_not_loaded_in_place_of_the_wheels_ow
 
 
 def test_a_batch_sequence_beyond_the_batch_calibrations_longest_context_verifies_one_token(model):
-    """The batch calibration checks fused passes up to 4,080 cached tokens (its slots hold 4,096); the single-sequence
-    one up to 4,096. A sequence of a batch pool past 4,080 tokens must not share (or make) a wider pass there."""
+    """The batch calibration checks fused passes, and a sequence's verify passes in a context of its own, up to 4,080
+    cached tokens (its slots hold 4,096). A sequence of a batch pool, or alone, past 4,080 tokens must not share (or
+    make) a wider pass there."""
     target, _ = model
     longest = max(target.batch_calibration["contexts"])
-    assert longest < max(target.exact_widths)
+    assert longest == max(target.exact_widths)
     batch = target.pool(2, llamacpp.DEFAULT_SLOT_TOKENS)
     solo = target.pool(1)
     runners = [pool.take(target.n_vocab) for pool in (batch, solo)]
@@ -932,7 +945,7 @@ def test_a_batch_sequence_beyond_the_batch_calibrations_longest_context_verifies
         for runner in runners:
             assert runner.verify_width(longest) == target.verify_width(longest) > 1
         assert runners[0].verify_width(longest + 1) == 1
-        assert runners[1].verify_width(longest + 1) == target.verify_width(longest + 1) > 1
+        assert runners[1].verify_width(longest + 1) == target.verify_width(longest + 1) == 1
     finally:
         for runner in runners:
             runner.close()
@@ -1330,15 +1343,13 @@ def test_a_new_thread_count_times_the_kernels_again_but_reads_the_exactness_chec
     def measured_again(*args, **kwargs):
         raise AssertionError("an exactness check was measured again for another thread count")
 
-    monkeypatch.setattr(llamacpp.calibration, "measure_exact_widths", measured_again)
     monkeypatch.setattr(llamacpp.calibration, "measure_batch_width", measured_again)
     other = llamacpp.LlamaCppModel(gguf_path, threads=2, repack=target.repack)
     assert other.threads == 2 and other.kernel_calibration["plan"] and other.costs.step_s > 0
     other.prepare_as_target()
-    assert other._measured["exactness"] == target._measured["exactness"]
     assert other.batch_calibration == target.batch_calibration
     # ... capped by the plan's own check: a plan whose kernel at 5 tokens was not found exact verifies at most 4
-    widest = min(target._measured["exactness"]["exact_width"].values())
+    widest = min(target.batch_calibration["exact_width"].values())
     assert other.verify_width(16) == min(widest, other.plan_exact_width)
     exact = {width: [] if width == "5" else kernels for width, kernels in other.kernel_calibration["exact"].items()}
     monkeypatch.setitem(other._measured, "kernel-plan", {**other.kernel_calibration, "exact": exact})

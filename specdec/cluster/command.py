@@ -66,7 +66,7 @@ def run_replicated(args) -> int:
         import ray
         from ray import serve
     except ImportError:
-        raise ValueError("--replicas needs Ray Serve: pip install 'specdec[ray]' (pinned: pip install -r "
+        raise ValueError("--replicas needs Ray Serve: pip install 'specdec-exact[ray]' (pinned: pip install -r "
                          "requirements-ray.txt)") from None
     from specdec.cluster.deployment import APP_NAME, application
 

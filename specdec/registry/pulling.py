@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.progress import step
 from specdec.registry import cache, gguf_files, packages, resources
 from specdec.registry.catalog import MODELS, ModelSpec, get_spec
 from specdec.registry.convert import convert_gguf
@@ -42,7 +43,8 @@ def _prepare(spec: ModelSpec, progress: bool) -> Path:
     gguf_path = gguf_files.verified_gguf(spec, progress)
     verified = time.perf_counter()
     marker = {"name": spec.name, "source": "pip packages", "packages": list(spec.pins), "source_sha256": spec.sha256}
-    out_dir = convert_gguf(gguf_path, cache.model_dir(spec.name), marker, progress)
+    with step(f"converting {gguf_path.name} into the torch runtime's copy (once)"):
+        out_dir = convert_gguf(gguf_path, cache.model_dir(spec.name), marker, progress)
     converted = time.perf_counter()
     if progress:
         print(f"{spec.name}: join+verify {verified - started:.1f} s, convert {converted - verified:.1f} s "

@@ -52,12 +52,7 @@ class Starting:
         if self.app is not None:
             return await self.app(scope, receive, send)
         if scope["type"] == "lifespan":  # (the built app is handed requests only: it has no start-up of its own)
-            while True:
-                message = await receive()
-                if message["type"] == "lifespan.startup":
-                    await send({"type": "lifespan.startup.complete"})
-                elif message["type"] == "lifespan.shutdown":
-                    return await send({"type": "lifespan.shutdown.complete"})
+            return await without_start_up(receive, send)
         if scope["type"] != "http":
             return
         retry = {"Retry-After": str(RETRY_AFTER_S)}
@@ -70,3 +65,13 @@ class Starting:
             response = APIError(503, f"the server is starting{doing}: retry once /health answers 200",
                                 code="server_starting", kind="server_error", headers=retry).response()
         await response(scope, receive, send)
+
+
+async def without_start_up(receive, send) -> None:
+    """ASGI's lifespan protocol for an app with nothing to start or stop: each step acknowledged as done."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            return await send({"type": "lifespan.shutdown.complete"})

@@ -32,14 +32,13 @@ CALIBRATION_WIDTHS = range(2, 17)  # pass widths checked: up to 15 draft tokens,
 # Cached tokens before the checked passes: short; past the 512 cells where ggml's attention changes strategy for f16
 # caches; and a long context (prompts of a few pages). Beyond the longest, the engine verifies one token at a time.
 CALIBRATION_CONTEXTS = (16, 600, 4096)
-CALIBRATION_VERSION = 8  # bump when what is measured changes: older cached results are then measured again
+CALIBRATION_VERSION = 9  # bump when what is measured changes: older cached results are then measured again
 CALIBRATIONS = {  # kind -> what it measures, as progress names it
     "layouts": "which weight layout runs faster",
     "kernel-plan": "which kernels take each pass width",
     "costs": "the cost of a pass of each width",
-    "exactness": "the widest verify pass exact at each context length",
     "prefill-split": "where prompts run faster in the other weight layout",
-    "batch-shapes": "which batched passes stay exact",
+    "batch-shapes": "which verify and batched passes stay exact",
 }
 
 
@@ -50,7 +49,7 @@ CALIBRATIONS = {  # kind -> what it measures, as progress names it
 # measure_kernel_plan checks, per width, for the plan in force: LlamaCppModel.plan_exact_width caps these), and the
 # plan touches no attention. So they are measured once per model file, build, CPU, cache type and weight layout, and a
 # new --threads value or plan does not measure them again.
-EXACTNESS_KINDS = ("exactness", "batch-shapes")
+EXACTNESS_KINDS = ("batch-shapes",)
 
 
 def cached(model: LlamaCppModel, kind: str, measure) -> dict:
@@ -291,14 +290,22 @@ def measure_exact_widths(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contex
         tokens = probe_tokens(model, length + max(widths))
         runner = private_runner(model, tokens.shape[1])
         runner.forward(tokens[:, :length], last_only=True)
-        single = one_token_logits(runner, tokens[:, length:])
-        exact = 1
-        for width in widths:
-            runner.rollback(length)
-            if exact == width - 1 and torch.equal(runner.forward(tokens[:, length:length + width])[0], single[:width]):
-                exact = width
-        found[str(length)] = exact
+        found[str(length)] = widest_exact(runner, length, tokens[:, length:],
+                                          one_token_logits(runner, tokens[:, length:]), widths)
     return {"exact_width": found}
+
+
+def widest_exact(runner: LlamaCppRunner, length: int, tokens: torch.Tensor, single: torch.Tensor, widths) -> int:
+    """The largest w in widths such that passes over the first 2..w of tokens [1, n], each right after the runner's
+    first `length` tokens, give single's rows (their one-token passes' logits, [n, vocab]) bit for bit (1 if none
+    does). The runner is left at `length`."""
+    exact = 1
+    for width in widths:
+        runner.rollback(length)
+        if exact == width - 1 and torch.equal(runner.forward(tokens[:, :width])[0], single[:width]):
+            exact = width
+    runner.rollback(length)
+    return exact
 
 
 def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, contexts=CALIBRATION_CONTEXTS,
@@ -314,7 +321,9 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
     2..w tokens gave every token its one-token logits bit for bit (1 if none did), "alone_width": the same for the
     passes of one sequence alone in its slot (a seeded sample verifies as it would alone, which may be wider than a
     shared pass), "prefill_in_slot_exact": whether prompts prefilled in slots left the logits and the cache (every
-    layer's keys and values) of prompts prefilled alone, "contexts": the lengths checked}."""
+    layer's keys and values) of prompts prefilled alone, "exact_width": {length: the widest verify pass of one
+    sequence in a context of its own found exact there (measure_exact_widths's check, on the prompts prefilled alone
+    here, which saves it long prefills of its own)}, "contexts": the lengths checked}."""
     n = max(widths)
     longest = min(slot_tokens, model.max_length) - n
     lengths = sorted({min(length, longest) for length in contexts})
@@ -324,14 +333,20 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
               for i in range(n)]  # the most tokens a pass takes from slot i: its one-token passes to compare with
     continuations = [probe_tokens(model, n * (i + 2))[:, -needed[i]:] for i in range(n)]  # all different
     prompts = {length: probe_tokens(model, length + 1)[:, 1:] for length in lengths}  # [1, length]
-    alone_prefill, alone_cache, alone = {}, {}, [None] * n
-    for length, prompt in progress.each(prompts.items(), "prompts prefilled alone", "prompt"):  # each prompt alone, then each of its slots' continuations one at a time
+    alone_prefill, alone_cache, alone, exact_width = {}, {}, [None] * n, {}
+    # each prompt alone, then each of its slots' continuations one at a time, and its verify passes
+    for length, prompt in progress.each(prompts.items(), "prompts prefilled alone", "prompt"):
         runner = private_runner(model, length + n)
         alone_prefill[length] = runner.forward(prompt, last_only=True)
         alone_cache[length] = cache_rows(runner.pool.context.save_state(runner.seq), length)
         for i in (i for i in range(n) if prefix_of[i] == length):
             runner.rollback(length)
             alone[i] = one_token_logits(runner, continuations[i])
+        full = next((i for i in range(n) if prefix_of[i] == length and needed[i] == n), None)  # max(widths) tokens
+        check = continuations[full] if full is not None else probe_tokens(model, length + n + 1)[:, -n:]
+        runner.rollback(length)
+        single = alone[full] if full is not None else one_token_logits(runner, check)
+        exact_width[str(length)] = widest_exact(runner, length, check, single, widths)
     slots = SlotPool(model, n, longest + n)
     earlier = [slots.take(model.n_vocab) for _ in range(n)]
     for runner in earlier:  # every slot held a sequence before: a server's slots are reused
@@ -373,7 +388,7 @@ def measure_batch_width(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, context
         runner.close()
     slots.close()
     return {"batch_width": widest, "alone_width": alone_widest, "prefill_in_slot_exact": bool(prefill_exact),
-            "contexts": lengths}
+            "exact_width": exact_width, "contexts": lengths}
 
 
 def cache_rows(state: bytes, length: int) -> list[bytes] | None:

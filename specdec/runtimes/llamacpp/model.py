@@ -161,9 +161,10 @@ class LlamaCppModel:
     @property
     def exact_widths(self) -> dict[int, int]:
         """{cached tokens: the widest pass whose logits equal one-token passes bit for bit there}
-        (calibration.measure_exact_widths). Only a target needs it: drafts never have to be exact."""
-        found = self._calibrated("exactness", calibration.measure_exact_widths)
-        return {int(length): min(width, self.plan_exact_width) for length, width in found["exact_width"].items()}
+        (calibration.measure_exact_widths's check, made with the batch calibration on its prompts prefilled alone),
+        capped by the kernel plan's own check. Only a target needs it: drafts never have to be exact."""
+        found = self.batch_calibration["exact_width"]
+        return {int(length): min(width, self.plan_exact_width) for length, width in found.items()}
 
     @property
     def prefill_min_tokens(self) -> int | None:
