@@ -1354,3 +1354,20 @@ def test_a_new_thread_count_times_the_kernels_again_but_reads_the_exactness_chec
     exact = {width: [] if width == "5" else kernels for width, kernels in other.kernel_calibration["exact"].items()}
     monkeypatch.setitem(other._measured, "kernel-plan", {**other.kernel_calibration, "exact": exact})
     assert other.plan_exact_width == 4 and other.verify_width(16) == min(widest, 4) and other.batch_width <= 4
+
+
+def test_a_prompt_shorter_than_any_prefill_model_segment_does_not_ask_for_the_prefill_split(model, monkeypatch):
+    """The kernel plan's timing prefills 16 tokens while the plan is being chosen: the prefill split (timed under the
+    plan) must not be calibrated then, under a plan that is not the model's (a later load measured it again)."""
+    target, _ = model
+
+    def asked(self):
+        raise AssertionError("the prefill split was asked for")
+
+    monkeypatch.setattr(type(target), "prefill_min_tokens", property(asked))
+    runner = target.own_pool(64).take(target.n_vocab)
+    runner.forward(llamacpp.probe_tokens(target, llamacpp.PREFILL_MIN_TOKENS - 1), last_only=True)
+    runner.close()
+    runner = target.own_pool(64).take(target.n_vocab)
+    with pytest.raises(AssertionError, match="prefill split was asked for"):
+        runner.forward(llamacpp.probe_tokens(target, llamacpp.PREFILL_MIN_TOKENS), last_only=True)

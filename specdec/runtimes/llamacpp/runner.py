@@ -146,7 +146,10 @@ class LlamaCppRunner:
         if cache is not None:  # (segments are cached only once kv_format is known)
             reused = cache.match(self._owner(n_seq), tokens, ends, most=len(ends) - 1)
         start = ends[len(reused) - 1] if reused else 0
-        passes = plan_passes(tokens, segments, start, self.verify_width, model.prefill_min_tokens)
+        # Fewer new tokens than any segment the prefill model takes run here whatever its calibration says: the kernel
+        # plan's own timing prefills 16 tokens, and must not calibrate the split under the plan it is choosing.
+        elsewhere = model.prefill_min_tokens if len(tokens) - start >= PREFILL_MIN_TOKENS else None
+        passes = plan_passes(tokens, segments, start, self.verify_width, elsewhere)
         try:
             if reused:
                 context.load_state(kv_blocks.join(model.kv_format, reused, n_seq), self.seq)
