@@ -74,6 +74,8 @@ class SpeculativeGenerator:
         info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype, draft_quantization, self.runtime,
                           threads)
         self.drafter, self.draft = build_drafter(draft, info, draft_tokenizer)
+        if self.draft is not None:
+            self.runtime.prepare(self.draft)
         # How a draft model with another vocabulary drafts (drafters.cross_vocab), in words; None for the same one.
         self.cross_vocabulary = (self.drafter.vocab.describe() if isinstance(self.drafter, CrossVocabDrafter)
                                  else None)

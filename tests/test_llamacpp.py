@@ -1371,3 +1371,24 @@ def test_a_prompt_shorter_than_any_prefill_model_segment_does_not_ask_for_the_pr
     runner = target.own_pool(64).take(target.n_vocab)
     with pytest.raises(AssertionError, match="prefill split was asked for"):
         runner.forward(llamacpp.probe_tokens(target, llamacpp.PREFILL_MIN_TOKENS), last_only=True)
+
+
+def test_a_generator_calibrates_everything_at_load_so_that_no_request_waits_for_a_calibration(gguf_path, model,
+                                                                                              monkeypatch):
+    """Target and draft model are prepared when the generator is made (kernel plan, pass costs, the prefill split,
+    and the target's exactness checks): the first request, whose prompt runs through the prefill split, measures
+    nothing."""
+    target, tokenizer = model
+    fresh_target = llamacpp.LlamaCppModel(gguf_path, threads=1)
+    fresh_draft = llamacpp.LlamaCppModel(gguf_path, threads=1)
+    gen = SpeculativeGenerator(fresh_target, fresh_draft, tokenizer=tokenizer)
+    for loaded in (fresh_target, fresh_draft):
+        assert {"costs"} <= set(loaded._measured) and loaded._kernel_plan is not None
+        assert loaded.prefill_model is None or "prefill-split" in loaded._measured
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a request waited for a calibration")
+
+    monkeypatch.setattr(llamacpp.calibration, "cached_json", measured)
+    out = gen.generate(long_text_ids(tokenizer, 300), max_new_tokens=8)
+    assert len(out.token_ids) == 8

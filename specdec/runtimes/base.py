@@ -175,6 +175,9 @@ class Runtime:
     def check_rollback(self, model) -> None:
         """Refuse a model whose cache cannot be cut back to any length (speculation needs it)."""
 
+    def prepare(self, model) -> None:
+        """Measure now what any of the model's passes need (a draft model's too), not inside the first request."""
+
     def prepare_as_target(self, model) -> None:
         """Measure now what a target needs (its exact widths), not inside the first request's timing."""
 

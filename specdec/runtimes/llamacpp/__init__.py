@@ -105,6 +105,9 @@ class LlamaCppRuntime(Runtime):
     def eos_ids(self, model) -> frozenset[int]:
         return model.eos_ids
 
+    def prepare(self, model) -> None:
+        model.prepare()
+
     def prepare_as_target(self, model) -> None:
         model.prepare_as_target()
 

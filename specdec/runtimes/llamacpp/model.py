@@ -204,9 +204,17 @@ class LlamaCppModel:
         prefilled alone. Where it does not, a batch must serve one request at a time."""
         return self.batch_calibration["prefill_in_slot_exact"]
 
+    def prepare(self) -> None:
+        """Calibrate what its passes need (the kernel plan, the pass costs, where prompts run in the prefill model)
+        now, not inside the first request (a prompt's prefill would wait for the prefill split's timing)."""
+        self.kernel_plan
+        self.costs
+        self.prefill_min_tokens
+
     def prepare_as_target(self) -> None:
         """Calibrate what a target needs (its exact verify and batch widths) now, not inside the first request, and
         check them in this process (self_test)."""
+        self.prepare()
         self.exact_widths
         self.batch_width
         self.self_test()
