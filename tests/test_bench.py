@@ -110,6 +110,24 @@ def test_report_rerenders_from_the_json_without_models(smoke, tmp_path, monkeypa
     assert str(tmp_path / "report.md") in capsys.readouterr().out
 
 
+def test_without_the_optional_plots_and_client_the_report_is_written_and_the_server_benchmarks_say_what_to_install(
+        smoke, tmp_path, monkeypatch, capsys):
+    """matplotlib and the openai client are extras (plots, bench): a report renders without its plots, saying so,
+    and a benchmark that needs the client names the extra to install."""
+    import sys
+
+    _, out, _ = smoke
+    shutil.copy(out / runner.RESULTS_FILE, tmp_path / "saved.json")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (an import of it then fails)
+    monkeypatch.setitem(sys.modules, "openai", None)
+    assert main(["bench", "--report", str(tmp_path / "saved.json")]) == 0
+    assert "## Temperature 0 (greedy)" in (tmp_path / "report.md").read_text()
+    assert not any((tmp_path / png).exists() for png in PNGS)
+    assert "plots skipped: matplotlib is not installed (pip install 'specdec-exact[plots]')" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"pip install 'specdec-exact\[bench\]'"):
+        runner.openai_module()
+
+
 def test_another_draft_model_is_a_method_with_its_own_cost(bench_inputs, tmp_path):
     """model:MODEL@K drafts with a model other than --draft, its draft cost measured beside the run's own; a model
     that cannot draft for the target is skipped with the reason."""

@@ -18,7 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from specdec.bench.runner import machine_info, save
+from specdec.bench.runner import machine_info, openai_module, pyplot, save
 from specdec.options import add_generation_args, generator_from_args
 
 DEFAULT_CLIENTS = "1,2,4,8,16"
@@ -83,9 +83,9 @@ def run_load_command(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     save(results, out / "results.json")
     _write(out / "report.md", report(results))
-    plot(results, out / "throughput.png")
+    plotted = plot(results, out / "throughput.png")
     print(report(results))
-    print(f"wrote {out}/results.json, report.md and throughput.png")
+    print(f"wrote {out}/results.json, report.md" + (" and throughput.png" if plotted else ""))
     return 0
 
 
@@ -155,8 +155,7 @@ def _drive(url: str, prompts: list[str], references: dict[str, list[int]], clien
     prompts one after another; each answer's token ids are compared with references[prompt]."""
     import random
 
-    import openai
-
+    openai = openai_module()
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     queues = [prompts[i::clients] for i in range(clients)]
     offsets = [random.Random(f"{seed}/{i}").uniform(0, stagger) for i in range(clients)]
@@ -291,11 +290,11 @@ def report(results: dict) -> str:
                               else []) + (["", "Errors: " + "; ".join(errors)] if errors else [])) + "\n"
 
 
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(results: dict, path: Path) -> bool:
+    """The throughput plot into path -> whether it was written (not where matplotlib is not installed)."""
+    plt = pyplot()
+    if plt is None:
+        return False
 
     figure, axes = plt.subplots(figsize=(6, 4))
     for server in dict.fromkeys(r["server"] for r in results["rows"]):
@@ -317,6 +316,7 @@ def plot(results: dict, path: Path) -> None:
     figure.savefig(partial)
     plt.close(figure)
     partial.replace(path)
+    return True
 
 
 def _write(path: Path, text: str) -> None:

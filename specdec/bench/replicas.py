@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from specdec import DISTRIBUTION, registry
-from specdec.bench.runner import version_of
+from specdec.bench.runner import openai_module, version_of
 from specdec.bench.servers import (Server, ServerProcess, Setup, _specdec_serve, ask, load_prompts,
                                    measure_and_keep, rerender)
 
@@ -101,8 +101,7 @@ def run_bench_replicas(args) -> int:
 
 
 def run(servers: list[Server], prompts: list[dict], warmup: dict, args, out: Path, results: dict) -> dict:
-    import openai
-
+    openai = openai_module()
     from specdec.bench.runner import save
 
     for round_ in range(args.rounds):

@@ -16,6 +16,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from specdec.bench.costs import predicted_speedup
+from specdec.bench.runner import pyplot
 from specdec.metrics import per_token_acceptance
 from specdec.metrics import SpecStats
 
@@ -313,11 +314,10 @@ def _position_section(rows: list[dict]) -> list[str]:
 
 
 def plot(results: dict, rows: list[dict], out_dir: Path) -> dict[str, str]:
-    """Write the PNGs that have data; -> {title: file name}."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    """Write the PNGs that have data; -> {title: file name} (none where matplotlib is not installed)."""
+    plt = pyplot()
+    if plt is None:
+        return {}
     from matplotlib.ticker import MaxNLocator
 
     written = {}

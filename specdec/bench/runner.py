@@ -132,6 +132,30 @@ def versions() -> dict:
             "kernel_patch": kernel_patch_hash()}
 
 
+def pyplot():
+    """matplotlib's pyplot drawing into files only, or None where matplotlib is not installed (an optional extra:
+    the reports are written without their plots, and say so)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("plots skipped: matplotlib is not installed (pip install 'specdec-exact[plots]')", file=sys.stderr)
+        return None
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def openai_module():
+    """The openai client, with which the benchmarks talk to the servers they start (an optional extra)."""
+    try:
+        import openai
+    except ImportError:
+        raise ValueError("the server benchmarks talk to the servers with the openai client, which is not installed: "
+                         "pip install 'specdec-exact[bench]'") from None
+    return openai
+
+
 def version_of(package: str) -> str | None:
     """An installed distribution's version (None: not installed)."""
     try:

@@ -38,7 +38,7 @@ from importlib import resources
 from pathlib import Path
 
 from specdec import DISTRIBUTION, registry
-from specdec.bench.runner import kernel_patch_hash, version_of
+from specdec.bench.runner import kernel_patch_hash, openai_module, version_of
 
 KINDS = ("code-edit", "document-qa", "chat", "maths", "translation", "summary")
 REFERENCE = "specdec-target-only"  # plain greedy decoding by specdec: the answers every other server is held to
@@ -311,8 +311,7 @@ def start_servers(stack, servers: list[Server], out: Path, startup_timeout: floa
     """Start each server in turn, its log in out/logs, each stopped when `stack` (a contextlib.ExitStack) closes ->
     name -> (server, its process, an OpenAI client of it, its model's id); results["servers"] gains each one's command
     line, model, start-up time, fallback and kernel plan."""
-    import openai
-
+    openai = openai_module()
     running = {}
     for server in servers:
         print(f"starting {server.name} ...", file=sys.stderr, flush=True)
@@ -403,8 +402,7 @@ def _run_bursts(running: dict, prompts: list[dict], max_tokens: int, rounds: int
 
 def _request(proc: ServerProcess, client, model: str, prompt: dict, max_tokens: int, token_ids: bool) -> dict:
     """ask(), a failed request recorded rather than raised; a server that died on it stops the run."""
-    import openai
-
+    openai = openai_module()
     try:
         return ask(client, model, prompt["prompt"], max_tokens, token_ids)
     except openai.OpenAIError as error:
@@ -420,8 +418,7 @@ def llama_server_session(binary: Path, gguf: str, threads: int, prompt: str, max
     whole prompt, as for a new one (`cache_prompt: false`: its slot does not reuse the warm-up's). chat: a chat
     completion of the prompt as the user's message (llama-server applies the GGUF's chat template, as specdec
     applies the tokenizer's); else a completion of the prompt as it is."""
-    import openai
-
+    openai = openai_module()
     setup = Setup(binary, gguf, gguf, threads)
     server = llama_server("llama-server", setup)
     with ServerProcess(server, log) as proc:
