@@ -80,10 +80,12 @@ def test_sixteen_clients_with_faults_leave_the_server_up_exact_and_idle(monkeypa
 
     # The fault: the model's thread fails once between steps, some seconds in, while requests are in flight
     real_leave, injected = Scheduler._leave, threading.Event()
-    fault_at = time.monotonic() + SOAK_S / 3
+    # The fault strikes once the long request has timed out (a fault while it was in flight ended it with the fault's
+    # 500, on a slow run), a third of the way through the soak at the earliest
+    fault_at, armed = time.monotonic() + SOAK_S / 3, threading.Event()
 
     def leave(scheduler):
-        if not injected.is_set() and scheduler._active and time.monotonic() > fault_at:
+        if not injected.is_set() and scheduler._active and armed.is_set() and time.monotonic() > fault_at:
             injected.set()
             raise RuntimeError("injected fault of the model's thread")
         return real_leave(scheduler)
@@ -100,6 +102,7 @@ def test_sixteen_clients_with_faults_leave_the_server_up_exact_and_idle(monkeypa
                 client.start()
             time.sleep(1.0)
             long = httpx.post(f"{base}/v1/completions", json={"model": MODEL, **LONG}, timeout=60)
+            armed.set()
             health_during = httpx.get(f"{base}/health", timeout=10)
             time.sleep(max(0.0, SOAK_S - 1.0))
             stop.set()

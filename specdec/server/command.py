@@ -12,8 +12,8 @@ from specdec.generator import DEFAULT_MAX_BATCH
 from specdec.options import add_generation_args, add_prompt_cache_arg, generator_from_args
 from specdec.server.app import create_app
 from specdec.server.limits import CTX_STEP, MEMORY_SHARE
-from specdec.server.starting import Starting
 from specdec.server.scheduler import DEFAULT_MAX_QUEUE, DEFAULT_REQUEST_TIMEOUT_S
+from specdec.server.starting import Starting
 
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")  # --host values that only this machine can reach

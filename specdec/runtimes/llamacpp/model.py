@@ -9,7 +9,6 @@ from pathlib import Path
 
 import torch
 
-
 from specdec.prompt_cache import PromptCache
 from specdec.runtimes.base import PassCosts
 from specdec.runtimes.llamacpp import calibration, kv_blocks
