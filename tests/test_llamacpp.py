@@ -175,6 +175,10 @@ def test_calibration_is_cached_and_gives_priors_for_auto_k(model, gguf_path):
     assert set(fresh.exact_widths) == set(fresh.batch_calibration["contexts"]) == {
         16, 600, llamacpp.DEFAULT_SLOT_TOKENS - max(llamacpp.CALIBRATION_WIDTHS)}
     assert fresh.costs.step_s > 0 and fresh.costs.verify_slope >= 0
+    # the pass costs are what the kernel plan's calibration timed for the kernel it chose at each width
+    timed = fresh.kernel_calibration["pass_s"]
+    assert fresh.costs.pass_s == {width: timed[str(width)][kernel.describe()]
+                                  for width, kernel in enumerate(fresh.kernel_plan.kernels, start=1)}
     gen = SpeculativeGenerator(target, gguf_path, k="auto", tokenizer=tokenizer)
     priors = gen.k_priors()
     assert priors["prior_verify_slope"] == target.costs.verify_slope and priors["prior_draft_cost"] > 0
@@ -1375,15 +1379,15 @@ def test_a_prompt_shorter_than_any_prefill_model_segment_does_not_ask_for_the_pr
 
 def test_a_generator_calibrates_everything_at_load_so_that_no_request_waits_for_a_calibration(gguf_path, model,
                                                                                               monkeypatch):
-    """Target and draft model are prepared when the generator is made (kernel plan, pass costs, the prefill split,
-    and the target's exactness checks): the first request, whose prompt runs through the prefill split, measures
-    nothing."""
+    """Target and draft model are prepared when the generator is made (kernel plan and its pass costs, the prefill
+    split, and the target's exactness checks): the first request, whose prompt runs through the prefill split,
+    measures nothing."""
     target, tokenizer = model
     fresh_target = llamacpp.LlamaCppModel(gguf_path, threads=1)
     fresh_draft = llamacpp.LlamaCppModel(gguf_path, threads=1)
     gen = SpeculativeGenerator(fresh_target, fresh_draft, tokenizer=tokenizer)
     for loaded in (fresh_target, fresh_draft):
-        assert {"costs"} <= set(loaded._measured) and loaded._kernel_plan is not None
+        assert "kernel-plan" in loaded._measured and loaded._kernel_plan is not None
         assert loaded.prefill_model is None or "prefill-split" in loaded._measured
 
     def measured(*args, **kwargs):

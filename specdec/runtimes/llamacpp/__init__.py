@@ -23,8 +23,7 @@ import torch
 from specdec.runtimes.base import Batching, PassCosts, Runtime
 from specdec.runtimes.llamacpp.calibration import (CALIBRATION_CONTEXTS, CALIBRATION_WIDTHS, DEFAULT_SLOT_TOKENS,
                                                    batch_mixes, measure_batch_width, measure_exact_widths,
-                                                   measure_pass_costs, one_token_logits, private_runner,
-                                                   probe_tokens)
+                                                   one_token_logits, private_runner, probe_tokens)
 from specdec.runtimes.llamacpp.context import BATCH, DEFAULT_KV_CACHE, KV_CACHE_TYPES, PREFILL_BLOCK, SlotPool
 from specdec.runtimes.llamacpp.layouts import choose_layouts
 from specdec.runtimes.llamacpp.library import PIN, LlamaCppUnavailable, installed
@@ -34,7 +33,7 @@ from specdec.runtimes.llamacpp.runner import PREFILL_MIN_TOKENS, LlamaCppRunner
 __all__ = ["BATCH", "CALIBRATION_CONTEXTS", "CALIBRATION_WIDTHS", "DEFAULT_KV_CACHE", "DEFAULT_SLOT_TOKENS",
            "KV_CACHE_TYPES", "LLAMA_CPP", "PIN", "PREFILL_BLOCK", "PREFILL_MIN_TOKENS", "LlamaCppModel", "LlamaCppRunner",
            "LlamaCppRuntime", "LlamaCppUnavailable", "SlotPool", "batch_mixes", "choose_layouts", "installed", "load",
-           "measure_batch_width", "measure_exact_widths", "measure_pass_costs", "one_token_logits",
+           "measure_batch_width", "measure_exact_widths", "one_token_logits",
            "private_runner", "probe_tokens"]
 
 

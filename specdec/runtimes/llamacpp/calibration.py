@@ -1,5 +1,6 @@
-"""What is measured once per model file and machine, then cached: the costs of passes, the widest exact verify pass
-at each context length, and the shapes of a batch's fused passes that stay exact.
+"""What is measured once per model file and machine, then cached: where prompts run faster in the prefill model, the
+widest exact verify pass at each context length, and the shapes of a batch's fused passes that stay exact (the weight
+layouts and the kernel plan, which also times the passes of each width, are measured in layouts.py and kernels.py).
 
 Each result is cached in a JSON file keyed by the model file, the llama.cpp build, the CPU, the settings and the
 kernel plan (so that what was measured under one plan is never read under another). One calibration runs at a time
@@ -36,7 +37,6 @@ CALIBRATION_VERSION = 9  # bump when what is measured changes: older cached resu
 CALIBRATIONS = {  # kind -> what it measures, as progress names it
     "layouts": "which weight layout runs faster",
     "kernel-plan": "which kernels take each pass width",
-    "costs": "the cost of a pass of each width",
     "prefill-split": "where prompts run faster in the other weight layout",
     "batch-shapes": "which verify and batched passes stay exact",
 }
@@ -179,38 +179,6 @@ def private_runner(model: LlamaCppModel, tokens: int) -> LlamaCppRunner:
     """A sequence in a context of its own (freed with the runner), leaving the model's pools alone: the calibration
     may run while a sequence is being generated."""
     return SlotPool(model, 1, tokens).take(model.n_vocab)
-
-
-
-
-def measure_pass_costs(model: LlamaCppModel, widths=CALIBRATION_WIDTHS, repeats: int = 9) -> dict:
-    """Seconds of a pass over 1 token and over each width in widths after 16 cached tokens. Each pass over w tokens is
-    timed right after a one-token pass, and what k="auto" and the per-cycle choice read is their ratio: the median of
-    `repeats` such pairs per width, times the median one-token pass. On a shared machine a busy moment then slows both
-    passes of a pair rather than one side of a ratio (a median of each width's times alone once gave V(2) = 1.23 where
-    interleaved probes found 1.38-1.47)."""
-    import statistics
-    import time
-
-    prefix = CALIBRATION_CONTEXTS[0]
-    tokens = probe_tokens(model, prefix + max(widths))
-    runner = private_runner(model, tokens.shape[1])
-    runner.forward(tokens[:, :prefix], last_only=True)
-    runner.forward(tokens[:, prefix:prefix + 1])  # a first pass warms the caches
-
-    def seconds(width: int) -> float:
-        runner.rollback(prefix)
-        started = time.perf_counter()
-        runner.forward(tokens[:, prefix:prefix + width])
-        return time.perf_counter() - started
-
-    one_token, ratios = [], {width: [] for width in widths}
-    for _ in progress.each(range(repeats), "timing passes of each width", "round"):
-        for width in widths:
-            one_token.append(seconds(1))
-            ratios[width].append(seconds(width) / one_token[-1])
-    step = statistics.median(one_token)
-    return {"pass_s": {"1": step, **{str(width): step * statistics.median(r) for width, r in ratios.items()}}}
 
 
 PREFILL_SPLIT_SIZES = (32, 64, 128)  # prompt segments timed in each model: from above the kernel plan's widths to a block

@@ -27,12 +27,13 @@ MULTI_COLUMN = 1  # the flag bits of native/llama.cpp-verify-columns.patch (GGML
 WIDE = 2
 PREFETCH_DISTANCES = (0, 4096, 16384)  # bytes ahead that the multi-column kernels may prefetch the weights
 PLAN_PREFIX = 16  # cached tokens before the timed passes (the calibration's short context)
-PLAN_REPEATS = 5  # timed passes per candidate and width, interleaved; the fastest counts
+PLAN_REPEATS = 3  # timed passes per candidate and width, interleaved; the fastest counts
 # After the first round a width times again only the exact candidates within this factor of its fastest so far, and
 # after the second within the next: a kernel 1.5-2.4x slower (llama.cpp's own at 8-16 tokens here) or inexact cannot
-# win, and timing it four more times was a third of a first load's calibration (EPYC Zen 4, 2 threads: 71 s for
-# the 1.5B target before).
-PLAN_MARGINS = (1.3, 1.12)
+# win, and most candidates end within 1-5% of each other, where a few more passes would choose between near-equals
+# at the price of the first load (EPYC Zen 4, 2 threads, the 1.5B target: 71 s with five rounds and no pruning, 53 s
+# pruned at 1.3 and 1.12, 534 passes for the 0.5B draft in 40 s).
+PLAN_MARGINS = (1.1, 1.05)
 
 
 @dataclass(frozen=True)
@@ -167,8 +168,10 @@ def measure_kernel_plan(model, repeats: int = PLAN_REPEATS) -> dict:
     round passes every width under every candidate in turn, so that a busy moment of the machine falls on all of
     them), and keep per width the fastest candidate whose pass gives every token the logits of llama.cpp's own
     one-token passes bit for bit (the first round checks). -> {"plan": KernelPlan.to_json(), "pass_s": {width:
-    {kernel: its fastest pass, seconds}}, "exact": {width: [kernels whose pass was exact]}}. Longer contexts and batches are
-    checked afterwards, under the chosen plan (measure_exact_widths, measure_batch_width)."""
+    {kernel: its fastest pass, seconds}}, "exact": {width: [kernels whose pass was exact]}}. The chosen kernels' times
+    are the model's pass costs (LlamaCppModel.costs): fastest passes, so that the ratio of two widths is that of two
+    quiet passes, not of one quiet and one caught in a burst of another process's work. Longer contexts and batches
+    are checked afterwards, under the chosen plan (measure_exact_widths, measure_batch_width)."""
     import torch
 
     from specdec import progress

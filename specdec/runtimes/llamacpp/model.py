@@ -153,9 +153,13 @@ class LlamaCppModel:
 
     @property
     def costs(self) -> PassCosts:
-        """Seconds of a pass over each width of one sequence (calibration.measure_pass_costs)."""
-        found = self._calibrated("costs", calibration.measure_pass_costs)
-        return PassCosts({int(width): s for width, s in found["pass_s"].items()})
+        """Seconds of a pass over each width 1-16 of one sequence after a short context: what the kernel plan's
+        calibration timed for the kernel it chose at that width (kernels.measure_kernel_plan: the fastest of up to
+        PLAN_REPEATS passes, interleaved with the other candidates', so a busy moment of the machine slows none of
+        them in particular). The served passes then correct them (choice.ServedPassCosts)."""
+        timed = self.kernel_calibration["pass_s"]
+        return PassCosts({width: timed[str(width)][kernel.describe()]
+                          for width, kernel in enumerate(self.kernel_plan.kernels, start=1)})
 
     @property
     def exact_widths(self) -> dict[int, int]:
@@ -204,10 +208,10 @@ class LlamaCppModel:
         return self.batch_calibration["prefill_in_slot_exact"]
 
     def prepare(self) -> None:
-        """Calibrate what its passes need (the kernel plan, the pass costs, where prompts run in the prefill model)
-        now, not inside the first request (a prompt's prefill would wait for the prefill split's timing)."""
+        """Calibrate what its passes need (the kernel plan, which times the pass costs, and where prompts run in the
+        prefill model) now, not inside the first request (a prompt's prefill would wait for the prefill split's
+        timing)."""
         self.kernel_plan
-        self.costs
         self.prefill_min_tokens
 
     def prepare_as_target(self) -> None:
