@@ -11,8 +11,10 @@ from pathlib import Path
 
 from specdec.runtimes.llamacpp.calibration import cached_json, private_runner, probe_tokens
 
-LAYOUT_TIMING_TIMEOUT_S = 600  # loading a model twice, 20 one-token passes and 6 prompts: seconds, even for a 7B
+LAYOUT_TIMING_TIMEOUT_S = 600  # loading a model twice, 84 one-token passes and 4 prompts: seconds, even for a 7B
 PREFILL_PROBE_TOKENS = 128  # a typical chat prompt, for timing prefills in each layout
+LAYOUT_PREFILLS = 2  # prompts timed in each layout, in turn (the faster counts: a busy moment only slows one down)
+LAYOUT_ROUNDS = 6  # one-token passes under each kernel in each layout, in turn (the first one warms up, not counted)
 
 
 def choose_layouts(path: Path, threads: int, details: bool = False) -> dict:
@@ -55,8 +57,8 @@ def measure_layouts(path: Path, threads: int) -> dict:
 
 def time_layouts(path: str, threads: int) -> None:
     """In the worker: the median seconds of a one-token pass after 16 tokens under each candidate kernel
-    (specdec.kernels.candidates, llama.cpp's own among them) in each layout, and of a PREFILL_PROBE_TOKENS prompt,
-    plain and repacked layouts and the kernels interleaved, printed as JSON."""
+    (specdec.kernels.candidates, llama.cpp's own among them) in each layout, and the fastest of a PREFILL_PROBE_TOKENS
+    prompt's, plain and repacked layouts and the kernels interleaved, printed as JSON."""
     import json
     import statistics
     import time
@@ -72,13 +74,13 @@ def time_layouts(path: str, threads: int) -> None:
     runners = [private_runner(model, PREFILL_PROBE_TOKENS) for model in models]
     kernels = candidates()
     one_token, prefill = [{kernel: [] for kernel in kernels} for _ in models], [[], []]
-    for _ in range(3):
+    for _ in range(LAYOUT_PREFILLS):
         for runner, times in zip(runners, prefill):
             runner.rollback(0)
             started = time.perf_counter()
             runner.forward(tokens, last_only=True)
             times.append(time.perf_counter() - started)
-    for _ in range(9):
+    for _ in range(LAYOUT_ROUNDS):
         for model, runner, times in zip(models, runners, one_token):
             for kernel in kernels:
                 model._kernel_plan = KernelPlan.uniform(kernel)
@@ -87,6 +89,6 @@ def time_layouts(path: str, threads: int) -> None:
                 runner.forward(tokens[:, 16:17])
                 times[kernel].append(time.perf_counter() - started)
     print(json.dumps([[{kernel.describe(): statistics.median(t[1:]) for kernel, t in times.items()}
-                       for times in one_token], [statistics.median(times) for times in prefill]]))
+                       for times in one_token], [min(times) for times in prefill]]))
 
 
