@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from specdec import DISTRIBUTION, registry
-from specdec.bench.runner import machine_info, openai_module, save, version_of
+from specdec.bench.runner import machine_info, save, version_of
 from specdec.llama_server import (LLAMA_SERVER_FALLBACK, PORT, ServerCommand, ServerError, ServerProcess,
-                                  default_llama_server)
+                                  default_llama_server, openai_module)
 from specdec.llama_server import llama_server_argv as _llama_server_argv
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "server_prompts.json"

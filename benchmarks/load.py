@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.harness import client_of, command_line, names, write
-from specdec.bench.runner import machine_info, openai_module, pyplot, save
-from specdec.llama_server import free_port
+from specdec.bench.runner import machine_info, pyplot, save
+from specdec.llama_server import free_port, openai_module
 from specdec.options import add_generation_args, generator_from_args
 
 DEFAULT_CLIENTS = "1,2,4,8,16"

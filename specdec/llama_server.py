@@ -44,6 +44,17 @@ class ServerCommand:
         return [word.replace(PORT, str(port)) for word in self.argv]
 
 
+def openai_module():
+    """The openai client, with which generate --compare and the lab's benchmarks talk to the servers they start (an
+    optional extra: `bench`)."""
+    try:
+        import openai
+    except ImportError:
+        raise ValueError("the server benchmarks talk to the servers with the openai client, which is not installed: "
+                         "pip install 'specdec-exact[bench]'") from None
+    return openai
+
+
 def default_llama_server() -> Path:
     """Where `make llama-server` builds the binary, keyed as the Makefile keys it: the CPU's flags line, the
     llama-cpp-python version and the build script."""
@@ -195,8 +206,6 @@ def llama_server_session(binary: Path, gguf: str, threads: int, prompt: str, max
     whole prompt, as for a new one (`cache_prompt: false`: its slot does not reuse the warm-up's). chat: a chat
     completion of the prompt as the user's message (llama-server applies the GGUF's chat template, as specdec
     applies the tokenizer's); else a completion of the prompt as it is."""
-    from specdec.bench.runner import openai_module
-
     openai = openai_module()
     server = llama_server("llama-server", binary, gguf, threads)
     with ServerProcess(server, log) as proc:
