@@ -3,11 +3,11 @@
 on upstream llama-server (its defaults, the same GGUF file), side by side in one run.
 
 Every prompt asks for a JSON record; each round sends every prompt with every feature to every server in turn (the
-features' and the servers' order rotated), streamed, prefill included, as `python -m benchmarks servers` measures. Every request reads
-its prompt cold and drafts from nothing earlier: llama-server is asked not to reuse its cached prompt
-(`cache_prompt: false`), and specdec gets each (round, feature) under an API key of its own, whose requests draw on
-no other key's cached prompts or answers (the same prompt is sent once per feature and round, and a suffix lookup
-would otherwise copy the earlier answer).
+features' and the servers' order rotated), streamed, prefill included, as `python -m benchmarks servers` measures.
+Every request reads its prompt cold and drafts from nothing earlier: llama-server is asked not to reuse its cached
+prompt (`cache_prompt: false`), and specdec gets each (round, feature) under an API key of its own, whose requests
+draw on no other key's cached prompts or answers (the same prompt is sent once per feature and round, and a suffix
+lookup would otherwise copy the earlier answer).
 
     .venv/bin/python -m benchmarks.api_features --out docs/api-features-zen4
 

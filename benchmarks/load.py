@@ -1,4 +1,5 @@
-"""`python -m benchmarks load`: concurrent clients against the OpenAI-compatible server, one request at a time vs batched.
+"""`python -m benchmarks load`: concurrent clients against the OpenAI-compatible server, one request at a time vs
+batched.
 
 Both servers run in this process over one loaded generator, on loopback; for each client count they take turns
 (one-at-a-time, then batched), so that a change in the machine's load falls on both. Every client sends greedy

@@ -1,4 +1,5 @@
-"""`python -m benchmarks replicas`: one `specdec serve` against the same app on Ray Serve replicas, under concurrent clients.
+"""`python -m benchmarks replicas`: one `specdec serve` against the same app on Ray Serve replicas, under concurrent
+clients.
 
 Configurations (each a server process on a loopback port, started and stopped in turn within every round, the order
 rotated from round to round so that drift in the machine's load falls on all alike):
@@ -48,7 +49,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = add_benchmark(
         subparsers, "replicas", run_command, report, out="bench-replicas-results", llama_server=False,
         help="one specdec serve against Ray Serve replicas of it, under concurrent clients",
-        description=__doc__.split("\n\n")[0].rstrip(".") + ". Writes results.json and report.md (and the servers' logs).")
+        description=__doc__.split("\n\n")[0].rstrip(".")
+        + ". Writes results.json and report.md (and the servers' logs).")
     parser.add_argument("--target", default=registry.DEFAULT_TARGET, help="(default: %(default)s)")
     parser.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="(default: %(default)s)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="(default: %(default)s)")

@@ -1,4 +1,5 @@
-"""`python -m benchmarks servers`: `specdec serve` against upstream llama-server, each a server process driven over HTTP.
+"""`python -m benchmarks servers`: `specdec serve` against upstream llama-server, each a server process driven over
+HTTP.
 
 The baseline is what users run: llama-server built from the llama.cpp source that the installed llama-cpp-python
 vendors, without specdec's kernel patch (`make llama-server`), plain, with its n-gram speculation (--spec-default)
@@ -328,8 +329,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "time, interleaved prompt by prompt. Writes results.json and report.md under --out.")
     parser.add_argument("--servers", default=None,
                         help=f"comma-separated servers to run, of {', '.join(SERVERS)} (default: "
-                             f"{','.join(DEFAULT_SERVERS)}; llama-server-fa and specdec-target-only-own-kernels are the "
-                             "overhead pair: llama.cpp's own kernels and an f16 cache with flash attention in both)")
+                             f"{','.join(DEFAULT_SERVERS)}; llama-server-fa and specdec-target-only-own-kernels are "
+                             "the overhead pair: llama.cpp's own kernels and an f16 cache with flash attention in "
+                             "both)")
     parser.add_argument("--kinds", default=",".join(KINDS), help="prompt kinds (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=1, help="times the whole prompt set is sent (default: "

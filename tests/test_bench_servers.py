@@ -1,5 +1,6 @@
-"""The lab's server benchmarks (`python -m benchmarks servers`, conversation, interleave) without llama-server or real models: the figures on synthetic records, the prompt file, the
-server-process wrapper, and whole runs against a stand-in OpenAI server (a small HTTP server in a subprocess)."""
+"""The lab's server benchmarks (`python -m benchmarks servers`, conversation, interleave) without llama-server or real
+models: the figures on synthetic records, the prompt file, the server-process wrapper, and whole runs against a stand-in
+OpenAI server (a small HTTP server in a subprocess)."""
 
 from __future__ import annotations
 
