@@ -91,8 +91,9 @@ test-fast: setup
 bench: models-llama-cpp
 	$(BIN)/specdec bench --preset quick
 
-# Upstream llama-server, unpatched, from the same llama.cpp source as LLAMA_CPP: the baseline of `specdec bench-servers`
-# (about 10 minutes on 2 cores, once per CPU feature set and build script). specdec.bench.servers computes the same path.
+# Upstream llama-server, unpatched, from the same llama.cpp source as LLAMA_CPP: the baseline of `python -m benchmarks
+# servers` (about 10 minutes on 2 cores, once per CPU feature set and build script). specdec/llama_server.py computes
+# the same path.
 LLAMA_SERVER_DIR := $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/llama-server/$(CPU_KEY)-$(LLAMA_CPP_VERSION)-$(shell md5sum native/build-llama-server.sh | cut -c1-8)
 
 llama-server: $(VENV)/.installed
@@ -102,7 +103,7 @@ llama-server: $(VENV)/.installed
 	fi
 
 bench-servers: models-llama-cpp llama-server
-	$(BIN)/specdec bench-servers --llama-server $(LLAMA_SERVER_DIR)/llama-server
+	$(BIN)/python -m benchmarks servers --llama-server $(LLAMA_SERVER_DIR)/llama-server
 
 clean:
 	rm -rf $(VENV) build *.egg-info

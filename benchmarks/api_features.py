@@ -3,13 +3,13 @@
 on upstream llama-server (its defaults, the same GGUF file), side by side in one run.
 
 Every prompt asks for a JSON record; each round sends every prompt with every feature to every server in turn (the
-features' and the servers' order rotated), streamed, prefill included, as bench-servers measures. Every request reads
-its prompt cold and drafts from nothing earlier: llama-server is asked not to reuse its cached prompt
-(`cache_prompt: false`), and specdec gets each (round, feature) under an API key of its own, whose requests draw on
-no other key's cached prompts or answers (the same prompt is sent once per feature and round, and a suffix lookup
-would otherwise copy the earlier answer).
+features' and the servers' order rotated), streamed, prefill included, as `python -m benchmarks servers` measures.
+Every request reads its prompt cold and drafts from nothing earlier: llama-server is asked not to reuse its cached
+prompt (`cache_prompt: false`), and specdec gets each (round, feature) under an API key of its own, whose requests
+draw on no other key's cached prompts or answers (the same prompt is sent once per feature and round, and a suffix
+lookup would otherwise copy the earlier answer).
 
-    .venv/bin/python benchmarks/api_features.py --out docs/api-features-zen4
+    .venv/bin/python -m benchmarks.api_features --out docs/api-features-zen4
 
 Writes results.json (every request) and report.md (tokens/s per server and feature, each feature's over none, and
 specdec over llama-server per feature), the servers' logs in logs/.
@@ -27,8 +27,9 @@ from pathlib import Path
 import httpx
 import openai
 
-from specdec.bench.servers import (SERVERS, add_common_arguments, ask, measure_and_keep, rerender, results_header,
-                                   setup_of, start_servers)
+from benchmarks.harness import (add_common_arguments, ask, client_of, measure_and_keep, rerender, results_header,
+                                rotation, setup_of, start_servers)
+from benchmarks.servers import SERVERS
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["people"], "properties": {
     "people": {"type": "array", "items": {"type": "object", "additionalProperties": False,
@@ -62,7 +63,7 @@ def run(args) -> int:
     setup = setup_of(args)
     out = Path(args.out)
     results = {**results_header("specdec-api-features/1", setup),
-               "command": shlex.join(["python", "benchmarks/api_features.py", *sys.argv[1:]]),
+               "command": shlex.join(["python", "-m", "benchmarks.api_features", *sys.argv[1:]]),
                "settings": {"max_tokens": args.max_tokens, "rounds": args.rounds, "threads": setup.threads,
                             "features": FEATURES, "prompts": PROMPTS},
                "records": []}
@@ -80,28 +81,22 @@ def run(args) -> int:
                 if not server.baseline:
                     plan = httpx.get(f"{proc.url}/v1/specdec/plan", headers={"Authorization": "Bearer warm-up"})
                     results["servers"][name].update(model=setup.target, kernel_plan=plan.json())
-                    running[name] = (server, proc, client, setup.target)
-            def client_of(name: str, key: str):
-                server, proc, _, model = running[name]
-                return openai.OpenAI(base_url=f"{proc.url}/v1", api_key=key, max_retries=0, timeout=1800)
-
-            for name, (server, _, _, model) in running.items():  # warm-up, not measured
+                    running[name] = running[name]._replace(model=setup.target)
+            for name, (server, proc, _, model) in running.items():  # warm-up, not measured
                 for feature, extra in FEATURES.items():
-                    ask(client_of(name, "warm-up"), model,
+                    ask(client_of(proc.url, "warm-up"), model,
                         "Give JSON of: Ann, 30, Rome.", 16, server.token_ids, extra_body=extra)
             turn = 0
             for round_ in range(args.rounds):
                 for i, prompt in enumerate(PROMPTS):
                     # the features in turn too: the first request of a prompt reads it cold, the others may reuse it
-                    names = list(FEATURES)
-                    shift = (round_ * len(PROMPTS) + i) % len(names)
-                    for feature in names[shift:] + names[:shift]:
+                    for feature in rotation(list(FEATURES), round_ * len(PROMPTS) + i):
                         extra = FEATURES[feature]
-                        order = list(running)[turn % len(running):] + list(running)[:turn % len(running)]
+                        order = rotation(list(running), turn)
                         turn += 1
                         for name in order:
                             server, proc, _, model = running[name]
-                            client = client_of(name, keys[round_, feature])
+                            client = client_of(proc.url, keys[round_, feature])
                             cold = {"cache_prompt": False} if server.baseline else {}
                             try:
                                 record = ask(client, model, prompt, args.max_tokens, server.token_ids,

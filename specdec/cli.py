@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
 from pathlib import Path
 
-from specdec import bench, progress, registry, server
-from specdec.options import add_generation_args, generator_from_args
+from specdec import bench, server
+from specdec.options import add_generation_args, generator_from_args, run_subcommands
 from specdec.registry.command import add_models_parser
 from specdec.runtimes import LLAMA_CPP
 
@@ -130,7 +129,7 @@ def _llama_server(gen, args, stack: contextlib.ExitStack):
     and the comparison falls back to llama-cpp-python's loop."""
     import tempfile
 
-    from specdec.bench.servers import default_llama_server, llama_server_session
+    from specdec.llama_server import default_llama_server, llama_server_session
 
     if gen.runtime is not LLAMA_CPP or args.temperature > 0 or args.stop:
         return None
@@ -208,33 +207,11 @@ COMMANDS = {
     "calibrate": add_calibrate_parser,
     "serve": server.add_serve_parser,
     "bench": bench.add_bench_parser,
-    "load": bench.add_load_parser,
-    "bench-servers": bench.add_bench_servers_parser,
-    "bench-conversation": bench.add_bench_conversation_parser,
-    "bench-interleave": bench.add_bench_interleave_parser,
-    "bench-replicas": bench.add_bench_replicas_parser,
-    "kernels": bench.add_kernels_parser,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding of language models.")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    for add_parser in COMMANDS.values():
-        add_parser(subparsers)
-    args = parser.parse_args(argv)
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # per-tensor loading bars of a cached model flash by in 0.1 s
-    progress.log_to_stderr()  # what a long step (a calibration, a load) is doing, and its ETA
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError, registry.RegistryError) as error:
-        print(f"specdec: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("specdec: interrupted", file=sys.stderr)
-        return 130
+    return run_subcommands("specdec", "Exact speculative decoding of language models.", COMMANDS, argv)
 
 
 if __name__ == "__main__":

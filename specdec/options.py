@@ -1,5 +1,6 @@
 """The flags that choose models and decoding, shared by every front end that generates (specdec generate, serve,
-bench, load), and the generator they describe. The front ends import this module, never each other."""
+bench; the lab's load), the generator they describe, and the running of a command line of subcommands. The front
+ends import this module, never each other."""
 
 from __future__ import annotations
 
@@ -67,3 +68,27 @@ def generator_from_args(args, prompt_cache: float = 0):
     if gen.cross_vocabulary:
         print(f"specdec: {gen.cross_vocabulary}", file=sys.stderr)
     return gen
+
+
+def run_subcommands(prog: str, description: str, commands: dict, argv: list[str] | None = None) -> int:
+    """Parse a command line of subcommands (name -> function that adds the subcommand's parser and sets its handler
+    as `func`) and run the chosen one -> its exit code: 2 after an error in what was asked (a message, no
+    traceback), 130 after Ctrl-C."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add_parser in commands.values():
+        add_parser(subparsers)
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # per-tensor loading bars of a cached model flash by in 0.1 s
+    progress.log_to_stderr()  # what a long step (a calibration, a load) is doing, and its ETA
+    name = prog.split()[-1]
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, registry.RegistryError) as error:
+        print(f"{name}: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130

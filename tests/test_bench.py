@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from specdec import llama_server
 from specdec.bench import methods, report, runner
 from specdec.bench.costs import predicted_speedup
 from specdec.metrics import per_token_acceptance
@@ -125,7 +126,7 @@ def test_without_the_optional_plots_and_client_the_report_is_written_and_the_ser
     assert not any((tmp_path / png).exists() for png in PNGS)
     assert "plots skipped: matplotlib is not installed (pip install 'specdec-exact[plots]')" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"pip install 'specdec-exact\[bench\]'"):
-        runner.openai_module()
+        llama_server.openai_module()
 
 
 def test_another_draft_model_is_a_method_with_its_own_cost(bench_inputs, tmp_path):

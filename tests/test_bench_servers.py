@@ -1,5 +1,6 @@
-"""`specdec bench-servers` without llama-server or real models: the figures on synthetic records, the prompt file, the
-server-process wrapper, and whole runs against a stand-in OpenAI server (a small HTTP server in a subprocess)."""
+"""The lab's server benchmarks (`python -m benchmarks servers`, conversation, interleave) without llama-server or real
+models: the figures on synthetic records, the prompt file, the server-process wrapper, and whole runs against a stand-in
+OpenAI server (a small HTTP server in a subprocess)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from specdec import cli
-from specdec.bench import servers
-from specdec.bench.servers import REFERENCE, Config, Server, ServerError, ServerProcess
+from benchmarks import servers
+from benchmarks.__main__ import main
+from benchmarks.harness import Server
+from benchmarks.servers import REFERENCE, Config
+from specdec import llama_server
+from specdec.llama_server import ServerError, ServerProcess
 
 # A stand-in for both llama-server and specdec serve: answers /health, /v1/models and greedy chat completions with
 # "<tag> " followed by the prompt's first words (one token each), token ids when asked, and /v1/specdec/plan when
@@ -85,7 +89,7 @@ def fake(tmp_path) -> Path:
 
 
 def fake_argv(script: Path, tag: str, *plan: str) -> tuple[str, ...]:
-    return (sys.executable, str(script), servers.PORT, tag, *plan)
+    return (sys.executable, str(script), llama_server.PORT, tag, *plan)
 
 
 # ---- the prompts and the schedule
@@ -173,7 +177,7 @@ def test_the_decode_rate_leaves_out_the_first_token_and_the_time_to_it():
 
 
 def test_report_shows_the_ratios_the_best_configurations_and_the_identity_count():
-    results = {**synthetic(), "command": "specdec bench-servers", "versions": {"llama-cpp-python": "0.3.36"},
+    results = {**synthetic(), "command": "python -m benchmarks servers", "versions": {"llama-cpp-python": "0.3.36"},
                "machine": {"cpu": "cpu", "cores": 2, "load_average_at_start": [1.0, 1.0, 1.0]},
                "settings": {"max_tokens": 32, "threads": 2, "rounds": 1, "prompts": 4}}
     text = servers.report(results)
@@ -189,7 +193,7 @@ def test_a_report_of_specdecs_servers_alone_says_no_llama_server_ran():
     synthetic_results = synthetic()
     records = [r for r in synthetic_results["records"] if r["server"] in ("specdec", REFERENCE)]
     results = {"servers": {name: synthetic_results["servers"][name] for name in ("specdec", REFERENCE)},
-               "records": records, "command": "specdec bench-servers --servers specdec,specdec-target-only",
+               "records": records, "command": "python -m benchmarks servers --servers specdec,specdec-target-only",
                "versions": {"llama-cpp-python": "0.3.36"}, "llama_server": None,
                "machine": {"cpu": "cpu", "cores": 2, "load_average_at_start": [1.0, 1.0, 1.0]},
                "settings": {"max_tokens": 32, "threads": 2, "rounds": 1, "prompts": 4}}
@@ -223,7 +227,7 @@ CRASHES_WITHOUT_FALLBACK = textwrap.dedent('''
 def test_a_server_that_crashes_at_startup_is_started_again_with_its_fallback_and_says_so(fake, tmp_path):
     wrapper = tmp_path / "crashes.py"
     wrapper.write_text(CRASHES_WITHOUT_FALLBACK)
-    argv = (sys.executable, str(wrapper), str(fake), servers.PORT, "llama-a")
+    argv = (sys.executable, str(wrapper), str(fake), llama_server.PORT, "llama-a")
     with ServerProcess(Server("llama-a", argv, baseline=True, fallback=servers.LLAMA_SERVER_FALLBACK),
                        tmp_path / "a.log", startup_timeout=60) as proc:
         assert proc.get_json("/v1/models")["data"][0]["id"] == "fake-llama-a"
@@ -332,22 +336,22 @@ def test_the_command_writes_results_and_report_and_refuses_unknown_names(fake, t
         REFERENCE: Config(False, lambda s: fake_argv(fake, "same-ref")),
     })
     out = tmp_path / "out"
-    argv = ["bench-servers", "--kinds", "chat", "--max-tokens", "4", "--threads", "1", "--out", str(out),
+    argv = ["servers", "--kinds", "chat", "--max-tokens", "4", "--threads", "1", "--out", str(out),
             "--llama-server", sys.executable]
-    assert cli.main(argv) == 0
+    assert main(argv) == 0
     results = json.loads((out / "results.json").read_text())
     assert len(results["records"]) == 3 * 2 and results["settings"]["kinds"] == ["chat"]
-    assert results["versions"]["llama-cpp-python"] == servers._llama_cpp_version()
+    assert results["versions"]["llama-cpp-python"] == llama_server.llama_cpp_version()
     assert re.fullmatch(r"[0-9a-f]{8}", results["patch_md5"])
     assert "**specdec and specdec-target-only: 2/2 answers with identical token ids.**" in (out / "report.md").read_text()
     assert (out / "logs" / "llama-a.log").is_file()
-    assert cli.main([*argv, "--servers", "specdec,llama-nope"]) == 2
-    assert cli.main([*argv, "--kinds", "poetry"]) == 2
+    assert main([*argv, "--servers", "specdec,llama-nope"]) == 2
+    assert main([*argv, "--kinds", "poetry"]) == 2
 
 
 def test_a_missing_llama_server_binary_says_to_run_make(tmp_path, capsys):
     missing = tmp_path / "nowhere" / "llama-server"
-    assert cli.main(["bench-servers", "--servers", "llama-server", "--llama-server", str(missing),
+    assert main(["servers", "--servers", "llama-server", "--llama-server", str(missing),
                      "--out", str(tmp_path / "out")]) == 2
     assert "make llama-server" in capsys.readouterr().err
 
@@ -358,33 +362,36 @@ def test_default_binary_path_is_where_the_makefile_builds_it():
         version = metadata.version("llama-cpp-python")
     except metadata.PackageNotFoundError:
         pytest.skip("llama-cpp-python is not installed")
-    root = Path(servers.__file__).resolve().parents[2]
+    root = Path(llama_server.__file__).resolve().parents[1]
     shown = subprocess.run(["make", "-n", "-C", str(root), "llama-server", "LLAMA_CPP_VERSION=" + version],
                            capture_output=True, text=True, check=True).stdout
-    assert f"[ ! -x {servers.default_llama_server()} ]" in shown
+    assert f"[ ! -x {llama_server.default_llama_server()} ]" in shown
 
 
 def test_generate_compares_with_llama_server_through_the_same_client(fake, tmp_path, monkeypatch):
-    """`specdec generate --compare` times upstream llama-server on the prompt (a warm-up first), through the same
-    streamed chat request as the benchmark; here against the stand-in."""
-    monkeypatch.setattr(servers, "_llama_server", lambda setup, *extra: fake_argv(fake, "llama-x"))
-    rate, settings = servers.llama_server_rate(Path("unused"), "model.gguf", 2, "one two three four five", 4,
-                                               chat=True, log=tmp_path / "log")
-    assert rate > 0 and settings == "its defaults"
+    """`specdec generate --compare` times upstream llama-server on the prompt (a warm-up first), through a streamed
+    chat request as the benchmarks send; here against the stand-in."""
+    def rate(log: str) -> tuple[float, str]:
+        with llama_server.llama_server_session(Path("unused"), "model.gguf", 2, "one two three four five", 4,
+                                               chat=True, log=tmp_path / log) as (measure, settings):
+            return measure(), settings
+
+    monkeypatch.setattr(llama_server, "llama_server_argv", lambda *args, **slots: fake_argv(fake, "llama-x"))
+    tokens_per_s, settings = rate("log")
+    assert tokens_per_s > 0 and settings == "its defaults"
     # where its defaults crash, the comparison runs with the fallback and says so
     wrapper = tmp_path / "crashes.py"
     wrapper.write_text(CRASHES_WITHOUT_FALLBACK)
-    monkeypatch.setattr(servers, "_llama_server",
-                        lambda setup, *extra: (sys.executable, str(wrapper), *fake_argv(fake, "llama-x")[1:]))
-    rate, settings = servers.llama_server_rate(Path("unused"), "model.gguf", 2, "one two three", 4, chat=True,
-                                               log=tmp_path / "log2")
-    assert rate > 0 and settings == "its defaults and --no-repack: its defaults crash on this CPU"
+    monkeypatch.setattr(llama_server, "llama_server_argv",
+                        lambda *args, **slots: (sys.executable, str(wrapper), *fake_argv(fake, "llama-x")[1:]))
+    tokens_per_s, settings = rate("log2")
+    assert tokens_per_s > 0 and settings == "its defaults and --no-repack: its defaults crash on this CPU"
 
 
-# ---- specdec bench-conversation
+# ---- python -m benchmarks conversation
 
 def test_bench_conversation_runs_every_turn_on_every_server_and_reports_its_ratios(fake, tmp_path):
-    from specdec.bench import conversation
+    from benchmarks import conversation
     from specdec.bench.runner import machine_info
 
     fakes = [Server(name, fake_argv(fake, name), token_ids=name != conversation.LLAMA)
@@ -393,7 +400,7 @@ def test_bench_conversation_runs_every_turn_on_every_server_and_reports_its_rati
               "turns": [f"Article {i} says many things about caches.", *conversation.QUESTIONS[1:]]} for i in range(2)]
     agent = conversation.agent_tasks(1)
     talks = chats + agent
-    results = {"command": "specdec bench-conversation", "machine": machine_info(), "settings": {"max_tokens": 8},
+    results = {"command": "python -m benchmarks conversation", "machine": machine_info(), "settings": {"max_tokens": 8},
                "conversations": [t["source"] for t in talks], "servers": {}, "records": []}
     conversation.run(fakes, talks, {"prompt": "warm up"}, 8, tmp_path, results, startup_timeout=30)
     turns, steps = len(conversation.QUESTIONS), len(agent[0]["turns"])
@@ -418,7 +425,7 @@ def test_bench_conversation_runs_every_turn_on_every_server_and_reports_its_rati
 
 
 def test_the_agent_loop_pastes_real_tool_output_of_a_module_and_says_when_there_are_too_few(tmp_path):
-    from specdec.bench import conversation
+    from benchmarks import conversation
 
     (task,) = conversation.agent_tasks(1)
     name = task["source"].split()[1].removesuffix(".py")
@@ -438,7 +445,7 @@ def test_the_agent_loop_pastes_real_tool_output_of_a_module_and_says_when_there_
 
 
 def test_gaps_are_the_longest_wait_between_pieces_that_overlaps_the_window():
-    from specdec.bench.interleave import gaps
+    from benchmarks.interleave import gaps
 
     arrivals = [0.0, 0.1, 0.2, 1.7, 1.8, 4.0]
     assert gaps(arrivals) == pytest.approx(2.2)
@@ -448,13 +455,13 @@ def test_gaps_are_the_longest_wait_between_pieces_that_overlaps_the_window():
 
 
 def test_bench_interleave_sends_the_long_prompt_while_the_answer_streams_and_reports_the_gaps(fake, tmp_path):
-    from specdec.bench import interleave
+    from benchmarks import interleave
     from specdec.bench.runner import machine_info
 
     fakes = [Server(interleave.SPECDEC, fake_argv(fake, "specdec"), token_ids=True),
              Server(interleave.LLAMA, fake_argv(fake, "llama"), baseline=True)]
     long_prompt = {"source": "article", "text": "A long article " * 50}
-    results = {"command": "specdec bench-interleave", "machine": machine_info(),
+    results = {"command": "python -m benchmarks interleave", "machine": machine_info(),
                "settings": {"max_tokens": 16, "long_max_tokens": 4}, "servers": {}, "records": []}
     interleave.run(fakes, [long_prompt], {"prompt": "warm up"}, 16, 4, tmp_path, results, startup_timeout=30)
     records = {r["server"]: r for r in results["records"]}
@@ -474,7 +481,7 @@ def test_bench_interleave_sends_the_long_prompt_while_the_answer_streams_and_rep
 
 
 def test_bench_interleave_takes_articles_of_about_two_thousand_tokens():
-    from specdec.bench import interleave
+    from benchmarks import interleave
 
     prompts = interleave.long_prompts(2)
     assert len(prompts) == 2 and prompts[0]["source"] != prompts[1]["source"]

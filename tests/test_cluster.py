@@ -224,7 +224,7 @@ def test_app_builder_builds_the_application_of_serve_flags_and_refuses_unknown_a
 
 
 def test_bench_replicas_summary_compares_throughput_latency_and_answers_with_the_single_server():
-    from specdec.bench.replicas import report, summarise
+    from benchmarks.replicas import report, summarise
 
     def record(server, phase, prompt, wall, ids):
         return {"server": server, "round": 0, "phase": phase, "prompt_id": prompt, "wall_s": wall,
@@ -244,7 +244,7 @@ def test_bench_replicas_summary_compares_throughput_latency_and_answers_with_the
     assert summary["ray-2"]["same_as_single"] == "2/3"  # the answer that differs is counted out
     settings = dict(clients=8, threads=1, requests=2, max_tokens=64, sequential=4, sequential_max_tokens=16,
                     rounds=1, prompt_cache_mb=0, target="t", draft="d")
-    text = report({"records": records, "phases": phases, "settings": settings, "command": "specdec bench-replicas",
+    text = report({"records": records, "phases": phases, "settings": settings, "command": "python -m benchmarks replicas",
                    "versions": {}, "machine": {"cpu": "cpu", "cores": 2, "load_average_at_start": [0, 0, 0]}})
     assert "| ray-2 | 15.00 | 1.50x | 2.50 / " in text
 

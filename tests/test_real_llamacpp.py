@@ -322,7 +322,7 @@ def test_generate_many_on_the_default_pair_equals_each_prompts_own_output(pair):
 
 def concurrent_prompts(generator) -> list[str]:
     """16 real prompts of 40 to 1,000+ tokens (the long one first, so that it decodes beside the others)."""
-    from specdec.bench import load
+    from benchmarks import load
     from specdec.bench.workloads import TASKS
 
     long = "List every person named in these news articles."
@@ -349,7 +349,7 @@ def test_concurrent_load_through_the_server_gives_every_request_its_solo_answer(
     """8 clients of the OpenAI client, 2 requests each (the second wave takes slots that others left while the rest
     still decode), starting at staggered moments, prompts of 40 to 1,000+ tokens: every answer equals the prompt's
     generate() alone, token for token, with the server's default drafter and without one."""
-    from specdec.bench import load
+    from benchmarks import load
 
     speculative, baseline = pair
     gen = (SpeculativeGenerator(speculative.target, speculative.drafter, tokenizer=speculative.tokenizer)
@@ -365,7 +365,7 @@ def test_negative_control_the_load_comparison_catches_a_batch_that_flips_near_ti
                                                                                   monkeypatch):
     """The same load through a target whose fused passes lean towards each row's runner-up token (as a kernel that
     rounds differently would flip a near-tie): the comparison must see answers change."""
-    from specdec.bench import load
+    from benchmarks import load
 
     _, baseline = pair
     exact_forward_many = llamacpp.SlotPool.forward_many

@@ -271,7 +271,7 @@ def test_logprobs_not_asked_for_are_none_and_bad_settings_are_refused(client, ur
 @pytest.mark.parametrize("chat", [False, True])
 def test_return_token_ids_gives_each_answers_tokens_streamed_or_not(client, generator, chat):
     """The extension vLLM offers too: each choice carries its token ids, so a client can compare answers token for
-    token (specdec load does). Only when asked."""
+    token (python -m benchmarks load does). Only when asked."""
     ref = generator.generate("hello", chat=chat, max_new_tokens=20)
     create = client.chat.completions.create if chat else client.completions.create
     prompt = {"messages": [{"role": "user", "content": "hello"}]} if chat else {"prompt": "hello"}
@@ -664,11 +664,11 @@ def test_serve_command_builds_one_generator_and_binds_loopback(monkeypatch, gene
     assert (service.model_name, service.scheduler.max_queue) == ("some/model", 3)
 
 
-# ---- the load generator (specdec load)
+# ---- the load generator (python -m benchmarks load)
 
 
 def test_load_generator_drives_both_servers_and_checks_every_answer(generator, tmp_path):
-    from specdec.bench import load
+    from benchmarks import load
 
     results = load.run_load(generator, ["ab", "def f(x):", "hello", "xyz xyz"], clients=[1, 2], requests=2,
                             max_tokens=8, max_batch=4)
@@ -690,7 +690,7 @@ def test_load_generator_drives_both_servers_and_checks_every_answer(generator, t
 def test_load_prompts_come_from_the_chosen_tasks_in_turn_and_unknown_tasks_are_refused(generator):
     import argparse
 
-    from specdec.bench import load
+    from benchmarks import load
 
     prompts = load.load_prompts(generator, 5, ("maths", "code"), max_tokens=2000)
     assert len(prompts) == 5 and prompts[0].startswith("Solve this maths") and prompts[1].startswith("Complete")
@@ -706,7 +706,7 @@ def test_load_prompts_come_from_the_chosen_tasks_in_turn_and_unknown_tasks_are_r
 def test_load_generator_counts_failed_requests_and_goes_on(generator):
     """A request the server refuses (503: no room in its queue) is counted as failed with its reason; the other
     clients' answers are still checked."""
-    from specdec.bench import load
+    from benchmarks import load
 
     prompts = ["ab", "cd", "ef"]
     references = {p: generator.generate(p, max_new_tokens=16, chat=True).token_ids for p in prompts}

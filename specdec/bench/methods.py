@@ -150,7 +150,7 @@ class LlamaServer(Method):
         import tempfile
         from pathlib import Path
 
-        from specdec.bench.servers import ServerProcess, Setup, default_llama_server, llama_server
+        from specdec.llama_server import ServerProcess, default_llama_server, llama_server
 
         try:
             binary = default_llama_server()
@@ -161,8 +161,8 @@ class LlamaServer(Method):
         self.label, self.eos_ids = label, eos_ids
         self._stack = contextlib.ExitStack()
         scratch = Path(self._stack.enter_context(tempfile.TemporaryDirectory()))
-        setup = Setup(binary, str(model.path), str(model.path), model.threads)
-        self.process = self._stack.enter_context(ServerProcess(llama_server(label, setup),
+        self.process = self._stack.enter_context(ServerProcess(llama_server(label, binary, str(model.path),
+                                                                            model.threads),
                                                                scratch / "llama-server.log"))
 
     def run(self, prompt_ids, max_new_tokens, temperature, seed) -> Output:

@@ -146,16 +146,6 @@ def pyplot():
     return plt
 
 
-def openai_module():
-    """The openai client, with which the benchmarks talk to the servers they start (an optional extra)."""
-    try:
-        import openai
-    except ImportError:
-        raise ValueError("the server benchmarks talk to the servers with the openai client, which is not installed: "
-                         "pip install 'specdec-exact[bench]'") from None
-    return openai
-
-
 def version_of(package: str) -> str | None:
     """An installed distribution's version (None: not installed)."""
     try:

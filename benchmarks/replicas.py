@@ -1,4 +1,5 @@
-"""`specdec bench-replicas`: one `specdec serve` against the same app on Ray Serve replicas, under concurrent clients.
+"""`python -m benchmarks replicas`: one `specdec serve` against the same app on Ray Serve replicas, under concurrent
+clients.
 
 Configurations (each a server process on a loopback port, started and stopped in turn within every round, the order
 rotated from round to round so that drift in the machine's load falls on all alike):
@@ -18,17 +19,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import shlex
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from specdec import DISTRIBUTION, registry
-from specdec.bench.runner import openai_module, version_of
-from specdec.bench.servers import (Server, ServerProcess, Setup, _specdec_serve, ask, load_prompts,
-                                   measure_and_keep, rerender)
+from benchmarks.harness import (Server, Setup, add_benchmark, ask, client_of, fmt, load_prompts,
+                                measure_and_keep, names, results_header, rotation, specdec_serve)
+from specdec import registry
+from specdec.bench.runner import save
+from specdec.llama_server import ServerProcess
 
 SCHEMA = "specdec-bench-replicas/1"
 CONFIGS = ("single", "ray-1", "ray-2", "single-2x-threads")
@@ -40,14 +41,16 @@ RAY_STOP_TIMEOUT_S = 120.0
 def server_of(name: str, target: str, draft: str, threads: int, prompt_cache_mb: float) -> Server:
     cluster = {"ray-1": ("--replicas", "1"), "ray-2": ("--replicas", "2")}.get(name, ())
     threads = 2 * threads if name == "single-2x-threads" else threads
-    argv = _specdec_serve(Setup(None, target, draft, threads), draft)
+    argv = specdec_serve(Setup(None, target, draft, threads), draft)
     return Server(name, (*argv, "--prompt-cache-mb", f"{prompt_cache_mb:g}", *cluster), token_ids=True)
 
 
-def add_bench_replicas_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "bench-replicas", help="one specdec serve against Ray Serve replicas of it, under concurrent clients",
-        description=__doc__.split("\n\n")[0] + ". Writes results.json and report.md (and the servers' logs).")
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = add_benchmark(
+        subparsers, "replicas", run_command, report, out="bench-replicas-results", llama_server=False,
+        help="one specdec serve against Ray Serve replicas of it, under concurrent clients",
+        description=__doc__.split("\n\n")[0].rstrip(".")
+        + ". Writes results.json and report.md (and the servers' logs).")
     parser.add_argument("--target", default=registry.DEFAULT_TARGET, help="(default: %(default)s)")
     parser.add_argument("--draft", default=registry.DEFAULT_DRAFT, help="(default: %(default)s)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help="(default: %(default)s)")
@@ -62,23 +65,11 @@ def add_bench_replicas_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-cache-mb", type=float, default=0,
                         help="every server's --prompt-cache-mb; 0 (default) so that replicas and a single server "
                              "prefill alike and the figures compare decoding capacity")
-    parser.add_argument("--startup-timeout", type=float, default=1800.0, help="(default: %(default)s)")
-    parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
-                        help="only write report.md again beside a finished run's results.json")
-    parser.add_argument("--out", default="bench-replicas-results", help="(default: %(default)s)")
-    parser.set_defaults(func=run_bench_replicas)
     return parser
 
 
-def run_bench_replicas(args) -> int:
-    from specdec.bench.runner import machine_info
-
-    if args.report:
-        return rerender(Path(args.report), report)
-    configs = [name.strip() for name in args.configs.split(",") if name.strip()]
-    unknown = [name for name in configs if name not in CONFIGS]
-    if not configs or unknown or len(set(configs)) != len(configs):
-        raise ValueError(f"--configs takes some of {', '.join(CONFIGS)}, each once, separated by commas")
+def run_command(args) -> int:
+    configs = names(args.configs, CONFIGS, "--configs")
     if min(args.threads, args.clients, args.requests, args.max_tokens, args.sequential_max_tokens, args.rounds) < 1 \
             or args.sequential < 0 or args.startup_timeout <= 0 or args.prompt_cache_mb < 0:
         raise ValueError("--threads, --clients, --requests, --max-tokens, --sequential-max-tokens and --rounds must "
@@ -89,10 +80,7 @@ def run_bench_replicas(args) -> int:
     servers = [server_of(name, args.target, args.draft, args.threads, args.prompt_cache_mb) for name in configs]
     prompts, warmup = load_prompts()
     out = Path(args.out)
-    results = {"schema": SCHEMA, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "command": shlex.join(["specdec", *sys.argv[1:]]), "machine": machine_info(),
-               "versions": {"specdec": version_of(DISTRIBUTION),
-                            **{name: version_of(name) for name in ("ray", "llama_cpp_python", "openai")}},
+    results = {**results_header(SCHEMA, packages=("ray", "llama_cpp_python", "openai")),
                "settings": {key: getattr(args, key) for key in ("target", "draft", "threads", "clients", "requests",
                                                                 "sequential", "max_tokens", "sequential_max_tokens",
                                                                 "rounds", "prompt_cache_mb")},
@@ -101,24 +89,23 @@ def run_bench_replicas(args) -> int:
 
 
 def run(servers: list[Server], prompts: list[dict], warmup: dict, args, out: Path, results: dict) -> dict:
-    openai = openai_module()
-    from specdec.bench.runner import save
-
+    """Each round, every configuration in turn (the order rotated per round) started, warmed up, sent the requests
+    alone and then the load, and stopped; results gains the records and each phase's wall time, saved after each."""
+    by_name = {server.name: server for server in servers}
     for round_ in range(args.rounds):
-        shift = round_ % len(servers)
-        for server in servers[shift:] + servers[:shift]:
+        for server in (by_name[name] for name in rotation(list(by_name), round_)):
             print(f"round {round_ + 1}/{args.rounds}: starting {server.name} ...", file=sys.stderr, flush=True)
             stop = RAY_STOP_TIMEOUT_S if server.name.startswith("ray") else 15.0
             with ServerProcess(server, out / "logs" / f"{server.name}-{round_}.log", args.startup_timeout,
                                stop_timeout=stop) as proc:
-                model = ((proc.get_json("/v1/models") or {}).get("data") or [{}])[0].get("id", "default")
+                model = proc.model()
                 results["servers"].setdefault(server.name, {"command": proc.argv, "model": model,
                                                             "kernel_plan": proc.get_json("/v1/specdec/plan"),
                                                             "startup_s": []})["startup_s"].append(proc.startup_s)
 
                 def request(prompt: dict, max_tokens: int, phase: str) -> dict:
-                    client = openai.OpenAI(base_url=f"{proc.url}/v1", api_key="unused", max_retries=0, timeout=1800)
-                    record = ask(client, model, prompt["prompt"], max_tokens, token_ids=True)
+                    # a client of its own per request, each on a new connection
+                    record = ask(client_of(proc.url), model, prompt["prompt"], max_tokens, server.token_ids)
                     return {"server": server.name, "round": round_, "phase": phase, "prompt_id": prompt["id"],
                             **record}
 
@@ -207,12 +194,10 @@ def report(results: dict) -> str:
              "answers = single's |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, f in summarise(results).items():
-        def show(value, digits=2):
-            return "-" if value is None else f"{value:.{digits}f}"
-        lines.append(f"| {name} | {show(f['load_tokens_per_s'])} | {show(f.get('throughput_vs_single'))}x | "
-                     f"{show(f['load_latency_median_s'])} / {show(f['load_latency_p95_s'])} | "
-                     f"{show(f['load_first_token_median_s'])} | {show(f['alone_latency_median_s'])} | "
-                     f"{show(f.get('alone_overhead_ms'), 0)} | {show(f['alone_outside_engine_ms'], 0)} | "
+        lines.append(f"| {name} | {fmt(f['load_tokens_per_s'], 2)} | {fmt(f.get('throughput_vs_single'), 2)}x | "
+                     f"{fmt(f['load_latency_median_s'], 2)} / {fmt(f['load_latency_p95_s'], 2)} | "
+                     f"{fmt(f['load_first_token_median_s'], 2)} | {fmt(f['alone_latency_median_s'], 2)} | "
+                     f"{fmt(f.get('alone_overhead_ms'), 0)} | {fmt(f['alone_outside_engine_ms'], 0)} | "
                      f"{f['same_as_single']} |")
     lines += ["", "Throughput is completion tokens over the load phase's wall time; latency is each request's, "
                   "sending to last token, over every request of every round. The overhead alone is a configuration's "

@@ -1,4 +1,4 @@
-"""`python -m specdec.bench.torch_exactness`: which verify widths of the torch runtime's real models give the logits
+"""`python -m benchmarks.torch_exactness`: which verify widths of the torch runtime's real models give the logits
 of one-token passes bit for bit, after a real prefill of each calibration context, next to what the calibration
 (runtimes.pytorch.measure_exact_width) finds and how long it takes; -> a JSON file (docs/torch-exactness/widths.json).
 

@@ -1,4 +1,5 @@
-"""`specdec load`: concurrent clients against the OpenAI-compatible server, one request at a time vs batched.
+"""`python -m benchmarks load`: concurrent clients against the OpenAI-compatible server, one request at a time vs
+batched.
 
 Both servers run in this process over one loaded generator, on loopback; for each client count they take turns
 (one-at-a-time, then batched), so that a change in the machine's load falls on both. Every client sends greedy
@@ -18,7 +19,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from specdec.bench.runner import machine_info, openai_module, pyplot, save
+from benchmarks.harness import client_of, command_line, names, write
+from specdec.bench.runner import machine_info, pyplot, save
+from specdec.llama_server import free_port, openai_module
 from specdec.options import add_generation_args, generator_from_args
 
 DEFAULT_CLIENTS = "1,2,4,8,16"
@@ -26,7 +29,7 @@ DEFAULT_TASKS = ("code", "summarisation")
 MODEL_NAME = "specdec-load"
 
 
-def add_load_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
 
     parser = subparsers.add_parser(
         "load", help="load-test the server: concurrent clients, one request at a time vs batched",
@@ -69,20 +72,17 @@ def run_load_command(args) -> int:
         raise ValueError("--requests, --rounds, --max-tokens and --max-prompt-tokens must be >= 1, --max-batch >= 2")
     if args.stagger < 0:
         raise ValueError(f"--stagger must be >= 0 seconds, got {args.stagger}")
-    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
-    unknown = [task for task in tasks if task not in TASKS]
-    if not tasks or unknown:
-        raise ValueError(f"--tasks takes some of {', '.join(TASKS)}, separated by commas; got {args.tasks!r}")
+    tasks = names(args.tasks, TASKS, "--tasks")
     generator = generator_from_args(args)
     prompts = load_prompts(generator, max(clients) * args.requests, tasks, args.max_prompt_tokens)
     results = run_load(generator, prompts, clients, args.requests, args.max_tokens, args.max_batch,
                        stagger=args.stagger, rounds=args.rounds, one_at_a_time=not args.only_batched)
-    results["command"] = "specdec " + " ".join(sys.argv[1:])
+    results["command"] = command_line()
     results["tasks"] = tasks
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     save(results, out / "results.json")
-    _write(out / "report.md", report(results))
+    write(out / "report.md", report(results))
     plotted = plot(results, out / "throughput.png")
     print(report(results))
     print(f"wrote {out}/results.json, report.md" + (" and throughput.png" if plotted else ""))
@@ -156,7 +156,7 @@ def _drive(url: str, prompts: list[str], references: dict[str, list[int]], clien
     import random
 
     openai = openai_module()
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
+    client = client_of(url, timeout=600)
     queues = [prompts[i::clients] for i in range(clients)]
     offsets = [random.Random(f"{seed}/{i}").uniform(0, stagger) for i in range(clients)]
 
@@ -231,15 +231,11 @@ class _Serving:
         self.servers, self.threads = [], []
 
     def __enter__(self) -> dict[str, str]:
-        import socket
-
         import uvicorn
 
         urls = {}
         for label, app in self.apps.items():
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = probe.getsockname()[1]
+            port = free_port()
             server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
             thread = threading.Thread(target=server.run, daemon=True)
             thread.start()
@@ -317,9 +313,3 @@ def plot(results: dict, path: Path) -> bool:
     plt.close(figure)
     partial.replace(path)
     return True
-
-
-def _write(path: Path, text: str) -> None:
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)

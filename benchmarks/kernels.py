@@ -1,4 +1,4 @@
-"""`specdec kernels`: the kernel plan a GGUF model runs on this machine, with every candidate's pass times."""
+"""`python -m benchmarks kernels`: the kernel plan of a GGUF model on this machine, every candidate's pass times."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, PLAN_PREFIX
 
 
-def add_kernels_parser(subparsers) -> None:
+def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "kernels", help="show the kernel plan of a GGUF model on this machine, with every candidate's pass times",
         description="Load a model on the llama.cpp runtime (calibrating it first if this machine has not: a "
@@ -113,7 +113,7 @@ def run_kernels(args) -> int:
         kv_caches = time_kv_caches(model, args.prompt_tokens)
         print_kv_caches(kv_caches)
     if args.out:
-        command = ["specdec", "kernels", *(f"--target {args.target}".split() if args.target else []),
+        command = ["python", "-m", "benchmarks", "kernels", *(f"--target {args.target}".split() if args.target else []),
                    *(["--kv-caches", "--prompt-tokens", str(args.prompt_tokens)] if args.kv_caches else [])]
         save({"command": " ".join(command),
               "machine": machine_info(), "versions": versions(), "kernel_patch": kernel_patch_hash(),

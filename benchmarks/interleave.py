@@ -1,5 +1,5 @@
-"""`specdec bench-interleave`: while one client streams a long answer, another sends a long prompt (a news article of
-about 2,000 tokens to summarise); how long does the streaming client wait between two pieces of its answer?
+"""`python -m benchmarks interleave`: while one client streams a long answer, another sends a long prompt (a news
+article of about 2,000 tokens to summarise); how long does the streaming client wait between two pieces of its answer?
 
 Each server takes two requests at once (specdec serve --max-batch 2, llama-server -np 2). Each round, every server
 in turn (the order rotated per round): the streaming request alone first (its answer and its own gaps, undisturbed),
@@ -13,15 +13,13 @@ one it gave alone, token for token.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import sys
 import threading
 import time
 from pathlib import Path
 
-from specdec.bench.servers import (Server, Setup, _median, _specdec_serve, _table, add_common_arguments, ask,
-                                   llama_server, load_prompts, measure_and_keep, rerender, results_header, setup_of,
-                                   start_servers)
+from benchmarks.harness import (Running, Server, Setup, add_benchmark, each_turn, fmt, llama_server,
+                                load_prompts, measure_and_keep, median, results_header, serving, setup_of,
+                                specdec_serve, table)
 
 SCHEMA = "specdec-bench-interleave/1"
 SPECDEC, LLAMA = "specdec", "llama-server"
@@ -39,7 +37,7 @@ STREAMED = (  # the streaming client's requests, one per round in turn: long ans
 
 def servers(setup: Setup) -> list[Server]:
     """specdec serve and llama-server, each taking two requests at once."""
-    return [Server(SPECDEC, _specdec_serve(setup, setup.draft), token_ids=True),
+    return [Server(SPECDEC, specdec_serve(setup, setup.draft), token_ids=True),
             llama_server(LLAMA, setup)]
 
 
@@ -68,17 +66,16 @@ def gaps(arrivals: list[float], start: float | None = None, end: float | None = 
     return max((b - a for a, b in spans), default=None)
 
 
-def interleaved(client, model: str, streamed: str, long_prompt: str, max_tokens: int, long_max_tokens: int,
-                token_ids: bool) -> dict:
-    """The streamed request (from a thread of its own), and the long prompt sent from this thread once STARTED_AFTER of
-    the streamed answer's pieces have come -> {"streamed": its record, "long": the long prompt's record,
-    "long_sent"/"long_first" (the clock of its sending and of its first piece), "arrivals": the streamed answer's
-    pieces' clock}."""
+def interleaved(server: Running, streamed: str, long_prompt: str, max_tokens: int, long_max_tokens: int) -> dict:
+    """On a started server, the streamed request (from a thread of its own), and the long prompt sent from this
+    thread once STARTED_AFTER of the streamed answer's pieces have come -> {"streamed": its record, "long": the long
+    prompt's record, "long_sent"/"long_first" (the clock of its sending and of its first piece), "arrivals": the
+    streamed answer's pieces' clock}."""
     arrivals, outcome = [], {}
 
     def stream():
         try:
-            outcome["streamed"] = ask(client, model, streamed, max_tokens, token_ids, arrivals=arrivals)
+            outcome["streamed"] = server.ask(streamed, max_tokens, arrivals=arrivals)
         except Exception as error:  # (raised again in the caller's thread)
             outcome["error"] = error
 
@@ -87,7 +84,7 @@ def interleaved(client, model: str, streamed: str, long_prompt: str, max_tokens:
     while len(arrivals) < STARTED_AFTER and thread.is_alive():
         time.sleep(0.005)
     sent = time.perf_counter()
-    record = ask(client, model, long_prompt, long_max_tokens, token_ids)
+    record = server.ask(long_prompt, long_max_tokens)
     thread.join()
     if "error" in outcome:
         raise outcome["error"]
@@ -99,29 +96,14 @@ def run(servers_: list[Server], prompts: list[dict], warmup: dict, max_tokens: i
         results: dict, startup_timeout: float) -> None:
     """Start the servers, warm each up, then each round's pair of requests on every server in turn; results gains a
     record per server and round, saved after each. The servers are stopped however this ends."""
-    from tqdm import tqdm
-
-    from specdec.bench.runner import save
-
-    with contextlib.ExitStack() as stack:
-        running = start_servers(stack, servers_, out, startup_timeout, results)
-        for server, _, client, model in running.values():  # first passes over cold weights: not measured
-            ask(client, model, warmup["prompt"], 16, server.token_ids)
-        names = [server.name for server in servers_]
-        with tqdm(total=len(prompts) * len(names), unit="round", file=sys.stderr, dynamic_ncols=True) as bar:
-            for round_, prompt in enumerate(prompts):
-                streamed = STREAMED[round_ % len(STREAMED)]
-                shift = round_ % len(names)
-                for name in names[shift:] + names[:shift]:
-                    bar.set_description(f"round {round_ + 1} {name}")
-                    server, _, client, model = running[name]
-                    alone_arrivals = []
-                    alone = ask(client, model, streamed, max_tokens, server.token_ids, arrivals=alone_arrivals)
-                    both = interleaved(client, model, streamed, prompt["text"], max_tokens, long_max_tokens,
-                                       server.token_ids)
-                    results["records"].append(_record(name, round_, prompt["source"], alone, alone_arrivals, both))
-                    save(results, out / "results.json")
-                    bar.update()
+    with serving(servers_, out, startup_timeout, results, warmup) as running:
+        for round_, name in each_turn(list(running), len(prompts), "round", results, out / "results.json"):
+            streamed = STREAMED[round_ % len(STREAMED)]
+            server, prompt = running[name], prompts[round_]
+            alone_arrivals = []
+            alone = server.ask(streamed, max_tokens, arrivals=alone_arrivals)
+            both = interleaved(server, streamed, prompt["text"], max_tokens, long_max_tokens)
+            results["records"].append(_record(name, round_, prompt["source"], alone, alone_arrivals, both))
 
 
 def _record(name: str, round_: int, source: str, alone: dict, alone_arrivals: list[float], both: dict) -> dict:
@@ -153,7 +135,7 @@ def summarise(results: dict) -> dict:
         same = [r["streamed_identical_to_alone"] for r in records if r["streamed_identical_to_alone"] is not None]
         summary["servers"][name] = {
             "rounds": len(records),
-            **{key: _median([r[key] for r in records]) for key in (
+            **{key: median([r[key] for r in records]) for key in (
                 "longest_gap_while_prefilling_s", "longest_gap_s", "longest_gap_alone_s", "long_prompt_tokens",
                 "long_first_token_s")},
             "worst_gap_while_prefilling_s": max((r["longest_gap_while_prefilling_s"] or 0.0) for r in records),
@@ -177,11 +159,12 @@ def report(results: dict) -> str:
     rows = []
     for name, s in summary["servers"].items():
         same = s["identical_to_alone"]
-        rows.append([name, str(s["rounds"]), _s(s["longest_gap_while_prefilling_s"]),
-                     _s(s["worst_gap_while_prefilling_s"]), _s(s["longest_gap_s"]), _s(s["longest_gap_alone_s"]),
-                     f"{s['long_prompt_tokens']:.0f}", _s(s["long_first_token_s"]),
+        rows.append([name, str(s["rounds"]), fmt(s["longest_gap_while_prefilling_s"], 2),
+                     fmt(s["worst_gap_while_prefilling_s"], 2), fmt(s["longest_gap_s"], 2),
+                     fmt(s["longest_gap_alone_s"], 2),
+                     f"{s['long_prompt_tokens']:.0f}", fmt(s["long_first_token_s"], 2),
                      "-" if same is None else f"{same[0]}/{same[1]}"])
-    lines += _table(["server", "rounds", "longest gap while the long prompt is read s", "worst round s",
+    lines += table(["server", "rounds", "longest gap while the long prompt is read s", "worst round s",
                      "longest gap, whole answer s", "longest gap alone s", "long prompt tokens",
                      "long prompt: first token s", "streamed answer identical to alone"], rows)
     lines.append("")
@@ -193,13 +176,10 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _s(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def add_bench_interleave_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "bench-interleave", help="time a streaming client's gaps while another client's long prompt is read",
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = add_benchmark(
+        subparsers, "interleave", run_command, report, out="bench-interleave-results",
+        help="time a streaming client's gaps while another client's long prompt is read",
         description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--max-tokens", type=int, default=256,
                         help="tokens of the streamed answer at most (default: %(default)s)")
@@ -207,14 +187,10 @@ def add_bench_interleave_parser(subparsers) -> argparse.ArgumentParser:
                         help="tokens of the long prompt's answer at most (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="rounds per server, each with another article (default: %(default)s)")
-    add_common_arguments(parser, out="bench-interleave-results")
-    parser.set_defaults(func=run_bench_interleave)
     return parser
 
 
-def run_bench_interleave(args) -> int:
-    if args.report:  # re-render the report of a finished run
-        return rerender(Path(args.report), report)
+def run_command(args) -> int:
     if min(args.max_tokens, args.long_max_tokens, args.rounds) < 1:
         raise ValueError("--max-tokens, --long-max-tokens and --rounds must be >= 1")
     if args.max_tokens <= STARTED_AFTER:
