@@ -182,7 +182,8 @@ def run_calibrate(args) -> int:
     batching = gen.runtime.batching(gen.target)  # None where the runtime fuses no passes
     found = {"kernel_plans": gen.kernel_plans(), "batch_width": batching.width if batching else None,
              "pass_ms": {role: {width: round(1000 * s, 2) for width, s in costs.pass_s.items()}
-                         for role, costs in (("target", gen.target_costs), ("draft", gen.draft_costs)) if costs}}
+                         for role, costs in (("target", gen.target_costs), ("draft", gen.draft_costs)) if costs},
+             "draft_dropped": gen.draft_dropped}
     if args.json:
         print(json.dumps(found))
         return 0
@@ -193,6 +194,8 @@ def run_calibrate(args) -> int:
         print(f"{role} pass of N tokens (ms): {shown}")
     if found["batch_width"] is not None:
         print(f"exact verify and batch width: {found['batch_width']} tokens")
+    if gen.draft_dropped:
+        print(f"draft model not used: {gen.draft_dropped}")
     if found["kernel_plans"] or found["pass_ms"]:
         print("calibrated: later loads of these models with these settings read it from the cache")
     else:

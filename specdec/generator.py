@@ -6,11 +6,12 @@ generate() and stream() in a batch of one, generate_many() and the server in a b
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+import logging
+from typing import Callable, Iterator, Sequence
 
 import torch
 
-from specdec.adaptive import make_k_policy
+from specdec.adaptive import expected_tokens, make_k_policy
 from specdec.adjust import LogitAdjust
 from specdec.grammar import Grammar, GrammarTokenizer
 from specdec.logprobs import TokenLogprob, check_top, token_logprobs
@@ -28,6 +29,12 @@ from specdec.sampling import SamplingConfig
 __all__ = ["Chunk", "GenerationResult", "SpeculativeGenerator"]
 
 DEFAULT_MAX_BATCH = 8  # requests generate_many decodes together (on llama.cpp: sequence slots of the target)
+# The acceptance per token of the best same-family pairs (Leviathan et al. 2023 measure 0.5-0.9): with k="auto", a
+# draft model that would not pay for its steps even then is left out at load (draft_can_pay)
+BEST_DRAFT_ACCEPTANCE = 0.9
+MOST_DRAFT_TOKENS = 15  # the longest draft the per-cycle choice weighs (a verify pass of 16 tokens)
+
+log = logging.getLogger(__name__)
 PROMPT_PASS_TOKENS = 64  # prompt_logprobs' passes where the runtime says any width is exact
 
 
@@ -36,7 +43,9 @@ class SpeculativeGenerator:
 
     k: draft tokens per cycle, or "auto" (default) to choose k each cycle from the acceptance and costs observed so
     far; with a draft model on a runtime that calibrates its costs (llama.cpp), "auto" also chooses each cycle between
-    suffix lookup, the draft model and plain decoding (drafters.choice).
+    suffix lookup, the draft model and plain decoding (drafters.choice), and a draft model that could not pay on this
+    machine even with BEST_DRAFT_ACCEPTANCE of its tokens accepted is left out at load: `gen.draft_dropped` says why
+    (its steps cost too large a share of the target's, the target's wider passes too much), and lookup drafts alone.
     draft_quantization="int8" runs the draft model with int8 weights: cheaper drafts, exactness untouched (the target
     decides). target_quantization="int8" changes the target itself (a slightly different model, much faster on a CPU);
     output is then exact relative to that int8 target: its passes over several tokens reproduce one-token passes bit
@@ -74,12 +83,20 @@ class SpeculativeGenerator:
         info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype, draft_quantization, self.runtime,
                           threads)
         self.drafter, self.draft = build_drafter(draft, info, draft_tokenizer)
+        self.target_costs = self.runtime.costs(self.target)  # PassCosts where the runtime measures them, else None
+        # Why the draft model given is not used on this machine (None: it is, or none was given)
+        self.draft_dropped = None
+        if k == "auto" and isinstance(self.drafter, ModelDrafter) and self.draft is not None and self.target_costs:
+            self.draft_dropped = self._why_the_draft_cannot_pay()
+        if self.draft_dropped:
+            log.warning("the draft model is not used: %s", self.draft_dropped)
+            lookup_only = Costs(ServedPassCosts(self.target_costs.verify_cost), draft_step=0.0)
+            self.drafter, self.draft = ChoosingDrafter(SuffixDrafter(), None, lookup_only), None
         if self.draft is not None:
             self.runtime.prepare(self.draft)
         # How a draft model with another vocabulary drafts (drafters.cross_vocab), in words; None for the same one.
         self.cross_vocabulary = (self.drafter.vocab.describe() if isinstance(self.drafter, CrossVocabDrafter)
                                  else None)
-        self.target_costs = self.runtime.costs(self.target)  # PassCosts where the runtime measures them, else None
         self.draft_costs = self.runtime.costs(self.draft) if self.draft is not None else None
         if k == "auto" and isinstance(self.drafter, ModelDrafter) and self.target_costs and self.draft_costs:
             # Where the runtime has calibrated its costs, "auto" also chooses how to draft, each cycle: suffix
@@ -102,6 +119,19 @@ class SpeculativeGenerator:
             # The runtime prefills a chat's answers as decoding computed them, and caches an answer for the
             # conversation's next turn: it must know where answers are (with or without a cache: the same passes)
             self.target.answer_start, self.target.answer_end = answer_marks(self.tokenizer)
+
+    def _why_the_draft_cannot_pay(self) -> str | None:
+        """Where the runtime times a step of the draft model before calibrating it: why it cannot pay on this
+        machine (draft_can_pay), in words; None where it may."""
+        step = self.runtime.step_estimate(self.draft)
+        if step is None:
+            return None
+        c, verify = step / self.target_costs.step_s, self.target_costs.verify_cost
+        if draft_can_pay(c, verify, MOST_DRAFT_TOKENS):
+            return None
+        return (f"on this machine a step of it costs {c:.2f} of a target step and a target pass over 2 tokens "
+                f"{verify(2):.2f} of one over 1 token, so even with {BEST_DRAFT_ACCEPTANCE:.0%} of its tokens accepted "
+                f"no draft of 1-{MOST_DRAFT_TOKENS} tokens would beat plain decoding; drafting by suffix lookup alone")
 
     def drafter_for(self, tenant: str | None) -> Drafter:
         """The drafter whose forks a tenant's requests draft with: its lookup history is that tenant's earlier
@@ -357,6 +387,15 @@ class SpeculativeGenerator:
             if self.draft_costs is not None:
                 priors["prior_draft_cost"] = self.draft_costs.step_s / self.target_costs.step_s
         return priors
+
+
+def draft_can_pay(draft_step: float, verify_cost: Callable[[int], float], most_tokens: int,
+                  acceptance: float = BEST_DRAFT_ACCEPTANCE) -> bool:
+    """Whether some draft of k <= most_tokens tokens, each accepted with probability `acceptance`, yields more tokens
+    per unit of target time than plain decoding: expected_tokens(acceptance, k) > k * draft_step + verify_cost(k + 1),
+    costs in one-token target passes (a draft model's step; a target pass over w tokens)."""
+    return any(expected_tokens(acceptance, k) > k * draft_step + verify_cost(k + 1)
+               for k in range(1, most_tokens + 1))
 
 
 def answer_marks(tokenizer) -> tuple[tuple[int, ...] | None, tuple[int, ...] | None]:

@@ -16,6 +16,7 @@ import torch
 
 from conftest import require
 from specdec import SpeculativeGenerator, registry
+from specdec import generator as generator_module
 from specdec.runtimes import LLAMA_CPP, TORCH, llamacpp, pick_runtime, runtime_of
 
 pytestmark = pytest.mark.real_model  # a real GGUF file on llama.cpp's kernels: not part of `make test-fast`
@@ -168,8 +169,9 @@ def test_where_no_pass_is_exact_the_engine_verifies_one_token_at_a_time_and_says
     assert out.stats.narrowed_cycles == out.stats.cycles == 16 and out.stats.drafted_tokens == 0
 
 
-def test_calibration_is_cached_and_gives_priors_for_auto_k(model, gguf_path):
+def test_calibration_is_cached_and_gives_priors_for_auto_k(model, gguf_path, monkeypatch):
     target, tokenizer = model
+    monkeypatch.setattr(generator_module, "draft_can_pay", lambda *args: True)  # (this draft is the target itself)
     fresh = llamacpp.LlamaCppModel(gguf_path, threads=1)
     assert fresh.costs == target.costs and fresh.exact_widths == target.exact_widths  # read back, not measured
     assert set(fresh.exact_widths) == set(fresh.batch_calibration["contexts"]) == {
@@ -342,7 +344,8 @@ def test_greedy_speculation_equals_target_only(model, baseline, gguf_path, draft
         assert len(out.token_ids) > 0
     if draft == gguf_path and k != "auto":  # the draft is the target itself: every draft token must be accepted
         assert out.stats.acceptance_rate == 1.0
-    # (k="auto" drafts nothing with this draft: a draft step costs what a target step does, so it cannot pay)
+    # (k="auto" leaves this draft out: a draft step costs what a target step does, so it cannot pay)
+    assert k != "auto" or draft != gguf_path or (speculative.draft is None and speculative.draft_dropped)
 
 
 def test_seeded_sampling_is_reproducible_and_differs_by_seed(model, gguf_path):
@@ -492,20 +495,50 @@ def test_a_crashed_llama_cpp_python_worker_is_restarted_without_repacked_weights
         peer.close()
 
 
-def test_auto_with_a_draft_model_chooses_per_cycle_and_a_seed_fixes_the_sample(model, gguf_path, baseline):
+def test_auto_with_a_draft_model_chooses_per_cycle_and_a_seed_fixes_the_sample(model, gguf_path, baseline,
+                                                                               monkeypatch):
     """k="auto" with a draft model on llama.cpp: the per-cycle choice between suffix lookup, the model and plain
     steps. Greedy output is the target's; a seeded sample repeats exactly (the choice reads no clock)."""
     from specdec.drafters.choice import ChoosingDrafter
 
     target, tokenizer = model
+    monkeypatch.setattr(generator_module, "draft_can_pay", lambda *args: True)  # (this draft is the target itself)
     gen = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)  # k="auto" is the default
-    assert isinstance(gen.drafter, ChoosingDrafter)
+    assert isinstance(gen.drafter, ChoosingDrafter) and gen.drafter.model_drafter is not None
     prompt = " ".join(PROMPTS * 4)  # repeats itself: suffix lookup has something to propose
     out = gen.generate(prompt, max_new_tokens=24)
     assert out.token_ids == baseline.generate(prompt, max_new_tokens=24).token_ids
     assert sum(cycles for cycles, _, _ in out.stats.by_drafter.values()) == out.stats.cycles
     samples = {tuple(gen.generate(prompt, max_new_tokens=24, temperature=0.9, seed=11).token_ids) for _ in range(4)}
     assert len(samples) == 1
+
+
+def test_a_draft_model_that_cannot_pay_on_this_machine_is_left_out_at_load(model, gguf_path, baseline, caplog):
+    """k="auto" times a few steps of the draft model before calibrating it: one whose step costs what the target's
+    does (here the target itself) cannot pay even at 90% acceptance, so it is left out (no kernel plan, no costs),
+    the generator says why and drafts by lookup alone, and its output is the target's. The rule itself, on the costs
+    like an AMD EPYC Zen 4's (2 cores: the 0.5B draft's step 0.68 of the 1.5B target's, V(2) 1.36 ... V(16) 5.6) and of
+    a draft ten times cheaper than the target over a nearly flat verify (which pays): draft_can_pay."""
+    from specdec.drafters.choice import ChoosingDrafter
+    from specdec.generator import draft_can_pay
+
+    zen4 = dict(zip(range(1, 17), (1, 1.36, 1.68, 1.92, 2.21, 2.45, 2.75, 3.07, 3.85, 4.07, 4.34, 4.61, 4.96, 5.11,
+                                   5.39, 5.6)))
+    assert not draft_can_pay(0.68, zen4.get, 15) and not draft_can_pay(0.68, zen4.get, 15, acceptance=0.95)
+    assert draft_can_pay(0.1, lambda width: 1 + 0.05 * (width - 1), 15)
+    assert draft_can_pay(0.68, zen4.get, 15, acceptance=1.0)  # (all accepted: a gain of a few percent at most)
+    target, tokenizer = model
+    with caplog.at_level("WARNING", logger="specdec.generator"):
+        gen = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)  # k="auto"
+    assert gen.draft is None and "even with 90% of its tokens accepted" in gen.draft_dropped
+    assert gen.draft_dropped in caplog.text and gen.draft_costs is None
+    assert isinstance(gen.drafter, ChoosingDrafter) and gen.drafter.model_drafter is None
+    prompt = " ".join(PROMPTS * 4)
+    out = gen.generate(prompt, max_new_tokens=24)
+    assert out.token_ids == baseline.generate(prompt, max_new_tokens=24).token_ids
+    assert set(out.stats.by_drafter) <= {"suffix", "none"}
+    # a fixed k keeps the model the user asked for
+    assert SpeculativeGenerator(target, gguf_path, k=2, tokenizer=tokenizer).draft is not None
 
 
 def test_weight_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(gguf_path, tmp_path):
@@ -625,6 +658,7 @@ def test_the_draft_model_reads_a_long_prompt_a_pass_per_step_beside_the_batch(gg
     from specdec.runtimes.llamacpp import runner as runner_module
 
     target, tokenizer = model
+    monkeypatch.setattr(generator_module, "draft_can_pay", lambda *args: True)  # (this draft is the target itself)
     gen = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer, prompt_cache=0)
     gen.drafter.costs = Costs(lambda width: 1.0 + 0.02 * (width - 1), draft_step=0.05, draft_token=0.0)  # worth it
     read, evaluate = [], runner_module.evaluate
@@ -808,14 +842,14 @@ def test_batch_runners_refuse_what_they_cannot_do(model):
         runner.forward(torch.tensor([[1]]))
 
 
-def test_specdec_kernels_shows_and_writes_the_plan_and_every_candidates_times(gguf_path, tmp_path, capsys):
+def test_benchmarks_kernels_shows_and_writes_the_plan_and_every_candidates_times(gguf_path, tmp_path, capsys):
     import json
 
-    from specdec import cli
+    from benchmarks.__main__ import main
     from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, MAX_WIDTH
 
     out = tmp_path / "plan.json"
-    assert cli.main(["kernels", "--target", gguf_path, "--threads", "1", "--out", str(out)]) == 0
+    assert main(["kernels", "--target", gguf_path, "--threads", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     written = json.loads(out.read_text())
     assert f"plan: {written['plan']}" in printed and written["threads"] == 1
@@ -827,13 +861,13 @@ def test_specdec_kernels_shows_and_writes_the_plan_and_every_candidates_times(gg
     assert written["kv_caches"] is None and written["versions"]["llama_cpp_python"]
 
 
-def test_specdec_kernels_times_the_kv_cache_settings(gguf_path, tmp_path, capsys):
+def test_benchmarks_kernels_times_the_kv_cache_settings(gguf_path, tmp_path, capsys):
     import json
 
-    from specdec import cli
+    from benchmarks.__main__ import main
 
     out = tmp_path / "kv.json"
-    assert cli.main(["kernels", "--target", gguf_path, "--threads", "1", "--kv-caches", "--prompt-tokens", "40",
+    assert main(["kernels", "--target", gguf_path, "--threads", "1", "--kv-caches", "--prompt-tokens", "40",
                      "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     found = json.loads(out.read_text())["kv_caches"]
@@ -843,7 +877,7 @@ def test_specdec_kernels_times_the_kv_cache_settings(gguf_path, tmp_path, capsys
     assert all(len(ms) == 1 and ms[0] > 0 for ms in found["one_token_ms"].values())
     assert "f16, attention split" in printed and "prompt of 40 tokens" in printed
     with pytest.raises(SystemExit, match="--prompt-tokens must be at least 2"):
-        cli.main(["kernels", "--target", gguf_path, "--threads", "1", "--kv-caches", "--prompt-tokens", "1"])
+        main(["kernels", "--target", gguf_path, "--threads", "1", "--kv-caches", "--prompt-tokens", "1"])
 
 
 def test_special_token_text_in_a_message_is_plain_text_not_a_forged_turn(model, baseline):
@@ -1385,6 +1419,7 @@ def test_a_generator_calibrates_everything_at_load_so_that_no_request_waits_for_
     target, tokenizer = model
     fresh_target = llamacpp.LlamaCppModel(gguf_path, threads=1)
     fresh_draft = llamacpp.LlamaCppModel(gguf_path, threads=1)
+    monkeypatch.setattr(generator_module, "draft_can_pay", lambda *args: True)  # (this draft is the target itself)
     gen = SpeculativeGenerator(fresh_target, fresh_draft, tokenizer=tokenizer)
     for loaded in (fresh_target, fresh_draft):
         assert "kernel-plan" in loaded._measured and loaded._kernel_plan is not None

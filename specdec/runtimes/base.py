@@ -197,6 +197,12 @@ class Runtime:
         """The measured costs of the model's passes, where the runtime measures them."""
         return None
 
+    def step_estimate(self, model) -> float | None:
+        """Seconds of one of the model's one-token passes, timed in a few passes before anything of it is calibrated
+        (None where the runtime does not time its models): whether a draft model could pay at all on this machine is
+        known before its calibration is paid for."""
+        return None
+
     def batching(self, model) -> Batching | None:
         """How the model's sequences can share passes exactly; None where each sequence takes passes of its own."""
         return None

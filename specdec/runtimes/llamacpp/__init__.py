@@ -119,6 +119,9 @@ class LlamaCppRuntime(Runtime):
     def costs(self, model) -> PassCosts:
         return model.costs
 
+    def step_estimate(self, model) -> float:
+        return model.quick_step_s()
+
     def batching(self, model) -> Batching:
         return Batching(model.batch_width, model.prefills_in_slots_exactly, model.fused_pass_cost)
 

@@ -222,6 +222,33 @@ class LlamaCppModel:
         self.batch_width
         self.self_test()
 
+    def quick_step_s(self, passes: int = 5) -> float:
+        """Seconds of a one-token pass after a short context, the fastest of `passes`, under llama.cpp's own kernels:
+        what a step of this model costs before anything of it is calibrated (the kernel plan's one-token kernels are
+        within a few percent of it). On a thread of its own, as the calibrations (calibration.on_a_thread_of_its_own)."""
+        import time
+
+        prefix = calibration.CALIBRATION_CONTEXTS[0]
+        tokens = calibration.probe_tokens(self, prefix + 1)
+
+        def measure() -> float:
+            planned, self._kernel_plan = self._kernel_plan, KernelPlan.uniform(LLAMA_CPP_KERNELS)
+            runner = calibration.private_runner(self, tokens.shape[1])
+            try:
+                runner.forward(tokens[:, :prefix], last_only=True)
+                seconds = []
+                for _ in range(passes):
+                    runner.rollback(prefix)
+                    started = time.perf_counter()
+                    runner.forward(tokens[:, prefix:])
+                    seconds.append(time.perf_counter() - started)
+            finally:
+                runner.close()
+                self._kernel_plan = planned
+            return min(seconds)
+
+        return calibration.on_a_thread_of_its_own(measure)
+
     def self_test(self) -> bool:
         """At every load: a pass as wide as the engine will verify, after a short context, against one-token passes
         (under a second: the calibrations read from the cache are keyed by the library build and the CPU, and this
