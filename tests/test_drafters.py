@@ -152,11 +152,13 @@ FLAT = Costs(verify=lambda width: 1.0 + 0.02 * (width - 1), draft_step=0.2, draf
 STEEP = Costs(verify=lambda width: float(width), draft_step=0.5)  # every extra token costs a whole pass
 
 
-def chooser(target, costs, close_noise: float | None = 0.01):
+def chooser(target, costs, close_noise: float | None = 0.01, min_gain: float = 1.0):
+    """min_gain 1.0: any option that beats plain decoding at all is taken (what these tests of the choice's other
+    rules measure against; the margin has its own tests)."""
     from conftest import close_draft
 
     model = draft_with(close_draft(target, noise=close_noise)) if close_noise is not None else None
-    return ChoosingDrafter(SuffixDrafter(), model, costs)
+    return ChoosingDrafter(SuffixDrafter(), model, costs, min_gain=min_gain)
 
 
 @pytest.mark.parametrize("costs", [FLAT, STEEP], ids=["flat verify", "steep verify"])
@@ -332,6 +334,42 @@ def test_choosing_drafter_judges_a_lookup_by_its_match():
     one_estimate._lookup_estimate = lambda: "lookup"  # every lookup judged alike, as before the bands
     assert chosen(one_estimate, 1, 0.5) > 0
     assert choice.SPLIT_PRIOR < 0.35 < min(choice.MATCH_BANDS.values())
+
+
+def test_a_draft_must_beat_plain_decoding_by_a_margin_and_lookups_not_verified_still_teach():
+    """Where a pass over two tokens costs 1.36 one-token passes (as on an AMD EPYC Zen 4), a lookup after a one-token
+    match, at its band's prior (0.45: 1.45 / 1.36 = 1.07 tokens a step), is not verified: a draft must beat plain
+    decoding by MIN_GAIN. Negative control: without the margin it is. A lookup that was not verified still teaches
+    its band: the token the plain step then produced was the lookup's, so the band's estimate rises and the next
+    lookup is verified; where the plain steps produce other tokens it falls. Negative control: a chooser that does not
+    learn from them never verifies the lookup."""
+    from specdec.drafters import choice
+
+    zen4 = Costs(verify=lambda width: 1.0 + 0.36 * (width - 1), draft_step=0.7)
+    generator = make_generator(0)
+
+    def drafted(drafter, context: list[int]) -> int:
+        drafter.lookup.tokens, drafter.lookup.last_match, drafter.lookup.last_agreement = [9], 1, 1.0
+        return drafter.propose(torch.tensor([context]), 1, GREEDY, generator).tokens.shape[1]
+
+    assert choice.MIN_GAIN > 1.45 / 1.36
+    assert drafted(ChoosingDrafter(MatchingLookup(), None, zen4), [5, 6]) == 0
+    assert drafted(ChoosingDrafter(MatchingLookup(), None, zen4, min_gain=1.0), [5, 6]) == 1
+
+    def cycles(drafter, produced: int) -> list[int]:
+        context, out = [5, 6], []
+        for _ in range(3):
+            out.append(drafted(drafter, context))
+            context = context + [produced]  # the token the target produced at that position
+        return out
+
+    assert cycles(ChoosingDrafter(MatchingLookup(), None, zen4), produced=9)[:2] == [0, 1]
+    failing = ChoosingDrafter(MatchingLookup(), None, zen4)
+    assert cycles(failing, produced=4) == [0, 0, 0]
+    assert failing.acceptance[("lookup", 1, True)].rate < choice.MATCH_BANDS[1]
+    deaf = ChoosingDrafter(MatchingLookup(), None, zen4)
+    deaf._learn_from_unverified = lambda context: None
+    assert cycles(deaf, produced=9) == [0, 0, 0]
 
 
 def test_the_choice_learns_what_wider_passes_cost_from_the_passes_it_is_served():
@@ -558,7 +596,7 @@ SAMPLING_CASES = {
     # Lookup, the toy draft model and plain steps all take turns as their acceptance estimates move.
     "per-cycle choice (suffix, model, none), k=3, 3 tokens": (
         lambda: ChoosingDrafter(SuffixDrafter(max_history_tokens=60), toy_draft_model(),
-                                Costs(lambda width: 1.0 + 0.1 * (width - 1), 0.1)),
+                                Costs(lambda width: 1.0 + 0.1 * (width - 1), 0.1), min_gain=1.0),
         [1, 4, 2, 1, 4], 3, 3, SamplingConfig(temperature=1.0, top_p=0.9)),
 }
 

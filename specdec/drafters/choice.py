@@ -5,7 +5,9 @@ draft-model step, both in target steps: calibrated at load, the passes' then lea
 ServedPassCosts) and from the acceptance each option has had so far in this request (Leviathan et al. 2023, eq. 1: a
 cycle of k draft tokens accepted with probability a each emits (1 - a^(k+1)) / (1 - a) tokens). Lookup costs nothing
 to try, so its proposal is made first and weighed as it is; the draft model's k is the best for its acceptance; plain
-decoding yields one token per one-token pass. A seeded sample's choice uses no clock (the calibrated costs alone), so
+decoding yields one token per one-token pass. A draft is verified only where it beats plain decoding by MIN_GAIN, and
+a lookup that was not verified still teaches its estimate: the token a plain step then produced says whether its
+first token would have been accepted. A seeded sample's choice uses no clock (the calibrated costs alone), so
 that it repeats exactly.
 
 A draft model must first take in what it has not read (the whole prompt the first time it drafts in a request). That
@@ -38,6 +40,12 @@ from specdec.drafters.base import Drafter, Proposal
 # rounded down)
 MATCH_BANDS = {1: 0.45, 2: 0.6, 4: 0.7, 8: 0.9}
 SPLIT_PRIOR = 0.2  # prior acceptance of a lookup whose matched occurrences went on in different ways, in any band
+# A draft is verified only where its expected tokens per unit of target time beat plain decoding's by this factor. The
+# estimates it stands on (an acceptance from a prior and a few cycles, pass costs that move by a few percent between
+# moments of a shared machine) are not finer than that, and on open chat the lookups chosen on thinner margins lost:
+# 24-26 cycles a request at 25-40% acceptance made the default 0.93-0.97x of --draft none's tokens/s (AMD EPYC Zen 4,
+# 2 cores, python -m benchmarks servers; BENCHMARKS.md). Copying answers (code edits, summaries) draft at 1.5-2.5x.
+MIN_GAIN = 1.1
 
 
 class ServedPassCosts:
@@ -80,17 +88,25 @@ class Costs:
     draft_token: float | None = None
 
 
+def best(options: dict[str, tuple[float, int, float]], min_gain: float) -> str:
+    """The option with the most expected tokens per unit of target time (ties: the first, plain decoding), where it
+    beats plain decoding ("none") by min_gain; else plain decoding."""
+    choice = max(options, key=lambda name: options[name][0])
+    return choice if options[choice][0] >= min_gain * options["none"][0] else "none"
+
+
 class ChoosingDrafter(Drafter):
     """Per cycle, the option with the most expected tokens per unit of target time: `lookup`'s proposal, `model`
-    drafting its best k, or nothing (a plain target step). k from the engine is a cap."""
+    drafting its best k, or nothing (a plain target step), a draft only where it beats plain decoding by min_gain.
+    k from the engine is a cap."""
 
     name = "auto"
     chooses_k = True  # the engine's k is only a cap: this drafter decides how many tokens to draft
 
     def __init__(self, lookup: Drafter, model: Drafter | None, costs: Costs,
                  prior_acceptance: float = 0.6,  # cautious: Leviathan et al. 2023 measure 0.5-0.9 for same-family pairs
-                 prior_weight: float = 2.0, decay: float = 0.9):
-        self.lookup, self.model_drafter, self.costs = lookup, model, costs
+                 prior_weight: float = 2.0, decay: float = 0.9, min_gain: float = MIN_GAIN):
+        self.lookup, self.model_drafter, self.costs, self.min_gain = lookup, model, costs, min_gain
         self.prior = (prior_acceptance, prior_weight, decay)
         self.begin(None)
 
@@ -109,8 +125,15 @@ class ChoosingDrafter(Drafter):
         self.estimate: str | tuple | None = None  # the acceptance estimate the chosen proposal is judged by
         self.regret = 0.0  # target steps lost to not drafting with a caught-up model (see the module's docstring)
         self.reading = False  # the model is taking in the prompt, a pass per cycle (paid for: it drafts when done)
+        # A lookup proposed where the cycle decoded plainly: (the context's length then, its estimate, its first
+        # token). The next cycle's context holds the token the target produced there, which tells whether that first
+        # token would have been accepted (a lookup drafts its token for certain, so it is accepted with the
+        # probability the target gives it, which is the chance a plain step produces it, greedy or sampled): the
+        # estimate learns while its lookups are not drafted
+        self.unverified: tuple[int, str | tuple, int] | None = None
 
     def propose(self, context, k, sampling, generator) -> Proposal:
+        self._learn_from_unverified(context)
         verify = self.costs.verify
         if self.by_calibration_alone and isinstance(verify, ServedPassCosts):
             verify = verify.calibrated
@@ -118,6 +141,8 @@ class ChoosingDrafter(Drafter):
         options = {"none": (1.0 / verify(1), 0, 1.0)}
         proposal = self.lookup.propose(context, k, sampling, generator) if k > 0 else Proposal.empty()
         lookup_estimate = self._lookup_estimate()
+        looked_up = None if not proposal.tokens.shape[1] else (context.shape[1], lookup_estimate,
+                                                                  int(proposal.tokens[0, 0]))
         if proposal.tokens.shape[1]:
             # a prefix of the lookup's guess may be worth more than all of it: each token beyond costs verify time
             a = self.acceptance[lookup_estimate].rate
@@ -135,7 +160,7 @@ class ChoosingDrafter(Drafter):
             catch_up = behind * (self.costs.draft_token if self.costs.draft_token is not None else c)
             missed = max(0.0, 1.0 / max(rate for rate, _, _ in options.values()) - cycle / tokens)  # per token
             options["model"] = (tokens / (cycle + max(0.0, catch_up - self.regret)), k_model, tokens)
-        choice = max(options, key=lambda name: options[name][0])  # ties: the first, plain decoding
+        choice = best(options, self.min_gain)
         if self.reading or (choice == "model" and behind):
             # Catching up takes a pass of the model per cycle, beside this cycle's option (whichever wins it, once
             # begun), where other requests decode beside this one: they wait for one pass at a time, never for the
@@ -145,9 +170,10 @@ class ChoosingDrafter(Drafter):
             self.reading = not self.model_drafter.read_ahead(context, whole=not self.others_waiting)
             if self.reading and choice == "model":
                 del options["model"]
-                choice = max(options, key=lambda name: options[name][0])
+                choice = best(options, self.min_gain)
         self.chosen = None if choice == "none" else choice
         self.estimate = lookup_estimate if choice == "lookup" else self.chosen
+        self.unverified = looked_up if choice == "none" else None
         if choice == "model":
             self.regret = max(0.0, self.regret - catch_up)
             proposal = self.model_drafter.propose(context, options["model"][1], sampling, generator)
@@ -166,7 +192,8 @@ class ChoosingDrafter(Drafter):
         """A fork shares the costs that served passes teach (ServedPassCosts)."""
         model = self.model_drafter.fork(pools, shared_history) if self.model_drafter is not None else None
         acceptance, weight, decay = self.prior
-        return ChoosingDrafter(self.lookup.fork(pools, shared_history), model, self.costs, acceptance, weight, decay)
+        return ChoosingDrafter(self.lookup.fork(pools, shared_history), model, self.costs, acceptance, weight, decay,
+                               self.min_gain)
 
     def observe_pass(self, width: int, seconds: float) -> None:
         if isinstance(self.costs.verify, ServedPassCosts):
@@ -182,6 +209,14 @@ class ChoosingDrafter(Drafter):
             return
         self.acceptance[self.estimate].observe(n_drafted, n_accepted)
         (self.lookup if self.chosen == "lookup" else self.model_drafter).accept(n_drafted, n_accepted)
+
+    def _learn_from_unverified(self, context) -> None:
+        """The last cycle's lookup that was not verified: was its first token what the target produced there?"""
+        if self.unverified is not None:
+            length, estimate, token = self.unverified
+            if context.shape[1] > length:
+                self.acceptance[estimate].observe(1, int(context[0, length]) == token)
+            self.unverified = None
 
     def _lookup_estimate(self) -> str | tuple[str, int, bool]:
         """Which acceptance estimate the lookup's latest proposal is judged by: its band of matched suffix lengths and
