@@ -45,7 +45,8 @@ class SpeculativeGenerator:
     far; with a draft model on a runtime that calibrates its costs (llama.cpp), "auto" also chooses each cycle between
     suffix lookup, the draft model and plain decoding (drafters.choice), and a draft model that could not pay on this
     machine even with BEST_DRAFT_ACCEPTANCE of its tokens accepted is left out at load: `gen.draft_dropped` says why
-    (its steps cost too large a share of the target's, the target's wider passes too much), and lookup drafts alone.
+    (its steps cost too large a share of the target's, the target's wider passes too much), and lookup drafts alone;
+    keep_draft=True keeps it (for a benchmark that measures it: the per-cycle choice then still weighs its costs).
     draft_quantization="int8" runs the draft model with int8 weights: cheaper drafts, exactness untouched (the target
     decides). target_quantization="int8" changes the target itself (a slightly different model, much faster on a CPU);
     output is then exact relative to that int8 target: its passes over several tokens reproduce one-token passes bit
@@ -69,7 +70,8 @@ class SpeculativeGenerator:
     def __init__(self, target, draft=None, k: int | str = "auto", *, tokenizer=None, draft_tokenizer=None,
                  dtype: torch.dtype = torch.float32, target_quantization: str | None = None,
                  draft_quantization: str | None = None, runtime: str | Runtime = "auto",
-                 threads: int | None = None, prompt_cache: float | PromptCache = DEFAULT_BUDGET_MB):
+                 threads: int | None = None, prompt_cache: float | PromptCache = DEFAULT_BUDGET_MB,
+                 keep_draft: bool = False):
         make_k_policy(k)  # refuse a bad k now rather than at the first request
         self.k = k
         self.runtime = pick_runtime(runtime, target)  # a specdec.runtimes.Runtime
@@ -86,7 +88,8 @@ class SpeculativeGenerator:
         self.target_costs = self.runtime.costs(self.target)  # PassCosts where the runtime measures them, else None
         # Why the draft model given is not used on this machine (None: it is, or none was given)
         self.draft_dropped = None
-        if k == "auto" and isinstance(self.drafter, ModelDrafter) and self.draft is not None and self.target_costs:
+        if (k == "auto" and not keep_draft and isinstance(self.drafter, ModelDrafter) and self.draft is not None
+                and self.target_costs):
             self.draft_dropped = self._why_the_draft_cannot_pay()
         if self.draft_dropped:
             log.warning("the draft model is not used: %s", self.draft_dropped)

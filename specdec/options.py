@@ -49,9 +49,10 @@ def add_prompt_cache_arg(parser: argparse.ArgumentParser) -> None:
                              "go first; 0 turns it off (default: %(default)g)")
 
 
-def generator_from_args(args, prompt_cache: float = 0):
+def generator_from_args(args, prompt_cache: float = 0, keep_draft: bool = False):
     """The SpeculativeGenerator that the flags of add_generation_args describe (models loaded once, here), with a
-    prompt cache of prompt_cache MB (default: none, for the commands that time single prompts)."""
+    prompt cache of prompt_cache MB (default: none, for the commands that time single prompts); keep_draft: a draft
+    model that cannot pay on this machine is kept (SpeculativeGenerator's keep_draft)."""
     from specdec.generator import SpeculativeGenerator
 
     if args.threads is not None and args.threads < 1:
@@ -64,7 +65,7 @@ def generator_from_args(args, prompt_cache: float = 0):
     with progress.step(f"loading {args.target}, {drafting}, on {runtime.name}"):
         gen = SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
                                    draft_quantization=draft_quantization, runtime=runtime, threads=args.threads,
-                                   prompt_cache=prompt_cache)
+                                   prompt_cache=prompt_cache, keep_draft=keep_draft)
     if gen.cross_vocabulary:
         print(f"specdec: {gen.cross_vocabulary}", file=sys.stderr)
     return gen

@@ -537,8 +537,10 @@ def test_a_draft_model_that_cannot_pay_on_this_machine_is_left_out_at_load(model
     out = gen.generate(prompt, max_new_tokens=24)
     assert out.token_ids == baseline.generate(prompt, max_new_tokens=24).token_ids
     assert set(out.stats.by_drafter) <= {"suffix", "none"}
-    # a fixed k keeps the model the user asked for
+    # a fixed k keeps the model the user asked for, and so does keep_draft (specdec bench, which measures it)
     assert SpeculativeGenerator(target, gguf_path, k=2, tokenizer=tokenizer).draft is not None
+    kept = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer, keep_draft=True)
+    assert kept.draft is not None and kept.draft_dropped is None and kept.drafter.model_drafter is not None
 
 
 def test_weight_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(gguf_path, tmp_path):

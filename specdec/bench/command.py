@@ -174,7 +174,7 @@ def _prepare(args, preset, candidates, results: dict):
     from specdec.bench.runner import SAMPLING_TEMPERATURE, Schedule, peak_rss_mb, warm_up
 
     print(f"loading {args.target} and {args.draft} ...", file=sys.stderr)
-    gen = generator_from_args(args)
+    gen = generator_from_args(args, keep_draft=True)  # its methods measure the draft model, even where it cannot pay
     results["settings"].update(runtime=gen.runtime.name, quantize_draft=gen.draft_quantization or "none")
     if getattr(gen.target, "threads", None):  # a runtime with threads of its own (llama.cpp): not torch's
         results["machine"]["compute_threads"] = gen.target.threads  # what the CPU share is measured against
