@@ -516,9 +516,10 @@ def test_auto_with_a_draft_model_chooses_per_cycle_and_a_seed_fixes_the_sample(m
 def test_a_draft_model_that_cannot_pay_on_this_machine_is_left_out_at_load(model, gguf_path, baseline, caplog):
     """k="auto" times a few steps of the draft model before calibrating it: one whose step costs what the target's
     does (here the target itself) cannot pay even at 90% acceptance, so it is left out (no kernel plan, no costs),
-    the generator says why and drafts by lookup alone, and its output is the target's. The rule itself, on the costs
-    like an AMD EPYC Zen 4's (2 cores: the 0.5B draft's step 0.68 of the 1.5B target's, V(2) 1.36 ... V(16) 5.6) and of
-    a draft ten times cheaper than the target over a nearly flat verify (which pays): draft_can_pay."""
+    the generator says why and drafts by lookup alone, and its output is the target's. The rule itself, on a cost
+    curve like those measured on an AMD EPYC Zen 4 (family 25 model 17, 2 threads: the 0.5B draft's step 0.62-0.83
+    of the 1.5B target's, V(2) 1.34-1.44; docs/first-start-zen4-setup, docs/servers-zen4-margin-a) and on a draft
+    ten times cheaper than the target over a nearly flat verify (which pays): draft_can_pay."""
     from specdec.drafters.choice import ChoosingDrafter
     from specdec.generator import draft_can_pay
 

@@ -44,7 +44,8 @@ SPLIT_PRIOR = 0.2  # prior acceptance of a lookup whose matched occurrences went
 # estimates it stands on (an acceptance from a prior and a few cycles, pass costs that move by a few percent between
 # moments of a shared machine) are not finer than that, and on open chat the lookups chosen on thinner margins lost:
 # 24-26 cycles a request at 25-40% acceptance made the default 0.93-0.97x of --draft none's tokens/s (AMD EPYC Zen 4,
-# 2 cores, python -m benchmarks servers; BENCHMARKS.md). Copying answers (code edits, summaries) draft at 1.5-2.5x.
+# 2 cores, python -m benchmarks servers: docs/servers-zen4-lookup-only), where copying answers (code edits,
+# summaries) ran at 1.47-1.67x of it.
 MIN_GAIN = 1.1
 
 
