@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import sys
@@ -13,12 +14,23 @@ from specdec.registry.command import add_models_parser
 from specdec.runtimes import LLAMA_CPP
 
 DEFAULT_PROMPT = "Write a Python function that checks whether a string is a palindrome."
+COMPARE_ROUNDS = 3  # --compare runs each configuration this many times, in turn, and reports the medians
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def add_generate_parser(subparsers) -> None:
     parser = subparsers.add_parser("generate", help="generate text with speculative decoding")
     add_generation_args(parser)
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: a short coding task)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: a short coding task)")
+    source.add_argument("--prompt-file", type=argparse.FileType("r", encoding="utf-8"), metavar="FILE",
+                        help="read the prompt from FILE (- for standard input)")
     parser.add_argument("--chat", action="store_true", help="apply the target's chat template to the prompt")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
@@ -28,11 +40,18 @@ def add_generate_parser(subparsers) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, stats")
     parser.add_argument("--compare", action="store_true",
-                        help="also run target-only decoding on the same prompt and report the measured speed-up")
+                        help="also run target-only decoding (and upstream llama-server, where `make llama-server` "
+                             "built it) on the same prompt and report the measured speed-ups")
+    parser.add_argument("--compare-rounds", type=positive_int, default=COMPARE_ROUNDS,
+                        help=f"--compare runs each configuration this many times, in turn, and reports the medians "
+                             f"(default {COMPARE_ROUNDS})")
     parser.set_defaults(func=run_generate)
 
 
 def run_generate(args) -> int:
+    if args.prompt_file is not None:
+        with args.prompt_file as file:
+            args.prompt = file.read()
     gen = generator_from_args(args)
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
@@ -62,7 +81,9 @@ def run_generate(args) -> int:
     print(summary_line(out.stats, args.draft != "none"))
     if comparison is not None:
         ours = comparison["specdec"]
-        print(f"compared, each run {comparison['rounds']} times in turn (medians): specdec {ours:.2f} tokens/s")
+        rounds = comparison["rounds"]
+        runs = "each run once, in turn" if rounds == 1 else f"each run {rounds} times in turn (medians)"
+        print(f"compared, {runs}: specdec {ours:.2f} tokens/s")
         same = "identical output" if comparison["identical"] else "different samples"
         print(f"target-only: {comparison['target_only']:.2f} tokens/s -> speed-up "
               f"{ours / comparison['target_only']:.2f}x ({same})")
@@ -80,12 +101,9 @@ def run_generate(args) -> int:
     return 0
 
 
-COMPARE_ROUNDS = 3  # --compare runs each configuration this many times, in turn, and reports the medians
-
-
 def _compare(gen, args, settings: dict, out) -> dict:
     """specdec, target-only and upstream llama-server (else llama-cpp-python's own loop, where llama-server is not
-    built or cannot run the request) on the same prompt, then COMPARE_ROUNDS times each in turn so that a machine whose
+    built or cannot run the request) on the same prompt, --compare-rounds times each in turn so that a machine whose
     speed drifts weighs on all alike -> {rounds, specdec, target_only, identical, llama_server and
     llama_server_settings or llama_cpp}: tokens/s medians, prefill included. Each round of specdec and of target-only
     runs as a tenant of its own (generate's tenant): its suffix lookup cannot draft an earlier round's answer, and its
@@ -97,8 +115,9 @@ def _compare(gen, args, settings: dict, out) -> dict:
 
     plain = SpeculativeGenerator(gen.target, None, tokenizer=gen.tokenizer, runtime=gen.runtime,
                                  prompt_cache=gen.prompt_cache or 0)
-    for warm in (gen, plain):  # the first pass over freshly loaded weights is slower
-        warm.generate(args.prompt, **{**settings, "max_new_tokens": min(2, args.max_new_tokens)})
+    # The generation shown has warmed specdec up; target-only's first request (its own runner, its cache's first
+    # pages) is not timed either. (In this thread: llama.cpp's worker threads stay with the thread that ran a pass)
+    plain.generate(args.prompt, **{**settings, "max_new_tokens": min(2, args.max_new_tokens)})
     rates = {"specdec": [], "target_only": []}
     identical = True
     with contextlib.ExitStack() as stack:
@@ -109,7 +128,7 @@ def _compare(gen, args, settings: dict, out) -> dict:
         if peer is not None:
             measure, how = peer
             rates[key] = []
-        for round_ in range(COMPARE_ROUNDS):
+        for round_ in range(args.compare_rounds):
             ours = gen.generate(args.prompt, **settings, tenant=f"compare {round_}")
             baseline = plain.generate(args.prompt, **settings, tenant=f"compare {round_}")
             identical &= baseline.token_ids == out.token_ids == ours.token_ids
@@ -117,7 +136,7 @@ def _compare(gen, args, settings: dict, out) -> dict:
             rates["target_only"].append(baseline.stats.tokens_per_s)
             if peer is not None:
                 rates[key].append(measure())
-    comparison = {"rounds": COMPARE_ROUNDS, "identical": identical, **{name: median(r) for name, r in rates.items()}}
+    comparison = {"rounds": args.compare_rounds, "identical": identical, **{name: median(r) for name, r in rates.items()}}
     if peer is not None and key == "llama_server":
         comparison["llama_server_settings"] = how
     return comparison

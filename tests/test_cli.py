@@ -54,10 +54,11 @@ def test_text_output_has_a_summary_and_the_compare_line(model_dirs, capsys, trus
     assert "speed-up" in out and "each run 3 times in turn (medians)" in out
 
 
-def test_compare_runs_each_configuration_in_turn_and_reports_medians(model_dirs, capsys, monkeypatch):
-    """--compare times specdec and target-only COMPARE_ROUNDS times each, alternating, and reports each one's median
-    (a machine whose speed drifts weighs on both alike), each round as a tenant of its own; --json carries the same
-    figures."""
+@pytest.mark.parametrize("rounds", [None, 2])
+def test_compare_runs_each_configuration_in_turn_and_reports_medians(model_dirs, capsys, monkeypatch, rounds):
+    """--compare times specdec and target-only COMPARE_ROUNDS (or --compare-rounds) times each, alternating, and
+    reports each one's median (a machine whose speed drifts weighs on both alike), each round as a tenant of its own;
+    --json carries the same figures."""
     from specdec import cli
     from specdec.generator import SpeculativeGenerator
 
@@ -70,13 +71,16 @@ def test_compare_runs_each_configuration_in_turn_and_reports_medians(model_dirs,
         return result
 
     monkeypatch.setattr(SpeculativeGenerator, "generate", generate)
+    flags = [] if rounds is None else ["--compare-rounds", str(rounds)]
     code, out, _ = run(capsys, "generate", "--target", str(model_dirs[0]), "--draft", "ngram", "--prompt", "ab ab",
-                       "--max-new-tokens", "8", "--compare", "--json")
+                       "--max-new-tokens", "8", "--compare", "--json", *flags)
     record = json.loads(out)
     compared, baseline = record["compared"], record["baseline"]
-    assert code == 0 and compared["rounds"] == cli.COMPARE_ROUNDS == 3 and baseline["identical"]
+    expected_rounds = cli.COMPARE_ROUNDS if rounds is None else rounds
+    assert cli.COMPARE_ROUNDS == 3
+    assert code == 0 and compared["rounds"] == expected_rounds and baseline["identical"]
     # each round a tenant of its own: its lookup cannot draft an earlier round's answer
-    assert order == [("specdec", None)] + [(name, f"compare {i}") for i in range(cli.COMPARE_ROUNDS)
+    assert order == [("specdec", None)] + [(name, f"compare {i}") for i in range(expected_rounds)
                                            for name in ("specdec", "target-only")]
     assert compared["tokens_per_s"] > 0 and baseline["tokens_per_s"] > 0
     assert baseline["speedup"] == pytest.approx(compared["tokens_per_s"] / baseline["tokens_per_s"])
@@ -104,6 +108,30 @@ def test_bad_input_exits_2_with_a_clear_message(model_dirs, capsys, flags, messa
     code, _, err = run(capsys, *args)
     assert code == 2
     assert message in err and "Traceback" not in err
+
+
+def test_a_prompt_file_is_read_as_the_prompt(model_dirs, capsys, tmp_path):
+    """--prompt-file FILE generates what --prompt with the file's text does; it and --prompt exclude each other."""
+    text = "def f(x):\n    return x\n"
+    (tmp_path / "prompt.txt").write_text(text, encoding="utf-8")
+    common = ["generate", "--target", str(model_dirs[0]), "--draft", "none", "--max-new-tokens", "6", "--json"]
+    _, from_file, _ = run(capsys, *common, "--prompt-file", str(tmp_path / "prompt.txt"))
+    _, given, _ = run(capsys, *common, "--prompt", text)
+    _, other, _ = run(capsys, *common, "--prompt", "x")
+    assert json.loads(from_file)["token_ids"] == json.loads(given)["token_ids"] != json.loads(other)["token_ids"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*common, "--prompt", "x", "--prompt-file", str(tmp_path / "prompt.txt")])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--prompt-file", "/nonexistent/prompt.txt"], "can't open '/nonexistent/prompt.txt'"),
+    (["--compare", "--compare-rounds", "0"], "must be at least 1, not 0"),
+])
+def test_bad_flags_exit_2_with_argparse_s_message(model_dirs, capsys, flags, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--target", str(model_dirs[0]), "--draft", "none", *flags])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_unknown_model_names_the_choices(capsys, tmp_path):

@@ -8,7 +8,6 @@ KV cache for those N layers, so it rolls back like any other runner.
 from __future__ import annotations
 
 import torch
-from transformers.masking_utils import create_causal_mask
 
 from specdec.drafters import TargetInfo, register
 from specdec.drafters.model import ModelDrafter
@@ -42,6 +41,9 @@ class EarlyExitRunner(TorchRunner):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        # here: transformers' masking module imports torch's compiler (a second at every start of the command)
+        from transformers.masking_utils import create_causal_mask
+
         decoder = self.decoder
         hidden = decoder.embed_tokens(input_ids)  # [batch, n, hidden]
         position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device) + self.length)[None]  # [1, n]

@@ -233,9 +233,11 @@ class TorchRuntime(Runtime):
         exact_verify_width(model)
 
     def reads(self, spec) -> bool:
-        from transformers import PreTrainedModel
-
-        return isinstance(spec, PreTrainedModel) or Path(str(spec)).expanduser().is_dir()
+        # A loaded transformers model means its modeling module is imported: where it is not, no spec can be one,
+        # and importing it (a second) only to ask would slow every start of a GGUF model
+        modeling = sys.modules.get("transformers.modeling_utils")
+        return ((modeling is not None and isinstance(spec, modeling.PreTrainedModel))
+                or Path(str(spec)).expanduser().is_dir())
 
     def load(self, spec, tokenizer=None, *, dtype=torch.float32, quantization=None, threads=None):
         from specdec.models import load_causal_lm

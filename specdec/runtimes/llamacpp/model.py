@@ -97,6 +97,7 @@ class LlamaCppModel:
             self.handle) * head_dim * KV_CACHE_BYTES[kv_cache])
         self._measured: dict[str, dict] = {}
         self._self_test_failed = False  # (self_test): then every pass the engine verifies holds one token
+        self._self_tested = False  # prepare_as_target runs the self-test once per load, however many generators
         self._kernel_plan: KernelPlan | None = None
         # How its sequence states lay out their rows, for the prompt cache's blocks (kv_blocks.split learns it)
         self.kv_format: kv_blocks.StateFormat | None = None
@@ -216,11 +217,14 @@ class LlamaCppModel:
 
     def prepare_as_target(self) -> None:
         """Calibrate what a target needs (its exact verify and batch widths) now, not inside the first request, and
-        check them in this process (self_test)."""
+        check them in this process (self_test, once: a second generator over the loaded model, as `generate --compare`'s
+        target-only one, does not run it again)."""
         self.prepare()
         self.exact_widths
         self.batch_width
-        self.self_test()
+        if not self._self_tested:
+            self.self_test()
+            self._self_tested = True
 
     def quick_step_s(self, passes: int = 5) -> float:
         """Seconds of a one-token pass after a short context, the fastest of `passes`, under llama.cpp's own kernels:
