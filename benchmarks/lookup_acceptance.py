@@ -7,7 +7,8 @@ prompts and answers, the prompt and the answer so far, compared with what the ta
 
     .venv/bin/python benchmarks/lookup_acceptance.py --out docs/lookup-acceptance
 
-Writes results.json (every lookup: kind, match length, agreement, draft length, accepted tokens) and report.md.
+Writes results.json (every lookup: kind, match length, agreement, draft length, accepted tokens) and report.md;
+`--report docs/lookup-acceptance/results.json` re-renders the report from the data with the current bands.
 """
 
 from __future__ import annotations
@@ -85,12 +86,35 @@ def table(lookups: list[dict]) -> list[str]:
     return rows
 
 
+def report(results: dict, max_tokens: int) -> str:
+    return "\n".join([
+        "# Suffix lookups accepted by the target", "",
+        f"Command: `.venv/bin/python {results['command']}`  ",
+        f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores  ",
+        f"{len(results['answers'])} greedy answers of `{results['target']}` (at most {max_tokens} tokens) to prompts of "
+        f"the packaged workloads from the {SKIP + 1}st of each file on; a lookup after every answer token, "
+        f"{len(results['lookups'])} of which drafted.", "", *table(results["lookups"]), ""])
+
+
+def write(folder: Path, name: str, text: str) -> None:
+    partial = folder / f".{name}.partial"
+    partial.write_text(text)
+    os.replace(partial, folder / name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("lookup-acceptance"))
+    parser.add_argument("--report", type=Path, metavar="RESULTS_JSON",
+                        help="re-render report.md beside this results.json (with the current bands), measuring nothing")
     args = parser.parse_args()
+    if args.report is not None:
+        results = json.loads(args.report.read_text())
+        write(args.report.parent, "report.md", report(results, args.max_tokens))
+        print("\n".join(table(results["lookups"])))
+        return
     generator = SpeculativeGenerator(args.target, draft=None)
     found = answers(generator, args.max_tokens)
     lookups = replay(found)
@@ -98,17 +122,8 @@ def main() -> None:
     results = {"command": f"benchmarks/lookup_acceptance.py --out {args.out}", "target": args.target,
                "machine": machine_info(), "versions": versions(), "kernel_plans": generator.kernel_plans(),
                "answers": found, "lookups": lookups}
-    for name, text in (("results.json", json.dumps(results)),
-                       ("report.md", "\n".join([
-                           "# Suffix lookups accepted by the target", "",
-                           f"Command: `.venv/bin/python {results['command']}`  ",
-                           f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores  ",
-                           f"{len(found)} greedy answers of `{args.target}` (at most {args.max_tokens} tokens) to "
-                           f"prompts of the packaged workloads from the {SKIP + 1}st of each file on; a lookup after "
-                           f"every answer token, {len(lookups)} of which drafted.", "", *table(lookups), ""]))):
-        partial = args.out / f".{name}.partial"
-        partial.write_text(text)
-        os.replace(partial, args.out / name)
+    write(args.out, "results.json", json.dumps(results))
+    write(args.out, "report.md", report(results, args.max_tokens))
     print("\n".join(table(lookups)))
 
 
