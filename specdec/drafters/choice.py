@@ -31,16 +31,14 @@ from specdec.drafters.base import Drafter, Proposal
 # and on whether the earlier occurrences of that suffix all went on with the token it drafts first (`last_agreement`).
 # Measured with the default target on 25 prompts of the packaged workloads that the benchmarks do not use (HumanEval,
 # ASDiv and XSum from the 21st on; greedy target-only output replayed, a suffix lookup after every token, 1,864
-# lookups: docs/lookup-acceptance): where the occurrences agreed, a draft token was accepted after 53% of one-token
-# matches, 61% of 2-3-token, 74% of 4-7-token, 92% of 8-15-token, 97% of 16-31-token and 98% of longer ones (per
-# token tested); where they disagreed (the drafter then follows the most frequent continuation), 18-34% of first
-# tokens in every band. So the choice keeps one acceptance estimate per band of match lengths (lower bounds here) and
-# agreement, each starting from its own prior: a split lookup is rarely worth a wider pass, a one-token match does not
-# borrow the credit that long ones earn, and a lookup that copies a long stretch (a code edit's unchanged lines)
-# drafts further from its first cycle.
+# lookups): where the occurrences agreed, the first draft token was accepted after 53% of one-token matches, 63% of
+# 2-3-token, 69% of 4-7-token and 95% of longer ones; where they disagreed (the drafter then follows the most frequent
+# continuation), after 18-34% in every band. So the choice keeps one acceptance estimate per band of match lengths
+# (lower bounds here) and agreement, each starting from its own prior: a split lookup is rarely worth a wider pass,
+# and a one-token match does not borrow the credit that long ones earn.
 # matched tokens (at least) -> prior acceptance per draft token where the occurrences agreed (the measured rates,
 # rounded down)
-MATCH_BANDS = {1: 0.45, 2: 0.6, 4: 0.7, 8: 0.9, 16: 0.95, 32: 0.97}
+MATCH_BANDS = {1: 0.45, 2: 0.6, 4: 0.7, 8: 0.9}
 SPLIT_PRIOR = 0.2  # prior acceptance of a lookup whose matched occurrences went on in different ways, in any band
 # A draft is verified only where its expected tokens per unit of target time beat plain decoding's by this factor. The
 # estimates it stands on (an acceptance from a prior and a few cycles, pass costs that move by a few percent between
