@@ -69,11 +69,11 @@ $(CALIBRATED): $(VENV)/.llama-cpp
 	touch $@
 
 # On a fresh machine the two builds (the patched wheel, llama-server) and the models' download run side by side, then
-# the calibration alone (its timings must not share the cores). Afterwards the calibration's stamp says it is all there
-# (generate pulls any model deleted since). One timed run of each (specdec, target-only, llama-server) after the one
+# the calibration alone (its timings must not share the cores). Afterwards the calibration's stamp, up to date with
+# the packages and the wheel it stands on (make -q), says it is all there (generate pulls any model deleted since). One timed run of each (specdec, target-only, llama-server) after the one
 # shown; --compare-rounds 3 for medians.
 demo:
-	@if [ ! -f $(CALIBRATED) ] || [ ! -x $(LLAMA_SERVER_DIR)/llama-server ]; then \
+	@if ! $(MAKE) --no-print-directory -q $(CALIBRATED) || [ ! -x $(LLAMA_SERVER_DIR)/llama-server ]; then \
 		$(MAKE) --no-print-directory -j3 $(VENV)/.llama-cpp llama-server pull-gguf && $(MAKE) --no-print-directory calibrate; fi
 	$(BIN)/specdec generate --chat --compare --compare-rounds 1 --max-new-tokens 128 --prompt-file $(DEMO_PROMPT)
 	@echo "(Where an answer copies little of its prompt, as in open chat or maths, specdec decodes at llama-server's"
