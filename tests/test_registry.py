@@ -381,3 +381,33 @@ def test_convert_real_smollm_matches_gguf_logits(tmp_path, monkeypatch):
     with torch.no_grad():
         logits = model(ids).logits
     torch.testing.assert_close(logits, reference["logits"], rtol=0, atol=1e-5)
+
+
+def test_a_second_tokenizer_of_the_same_vocabulary_is_a_copy_with_its_own_chat_template(tmp_path, monkeypatch):
+    """A draft model of the target's family (the same vocabulary files, another chat template) takes a copy of the
+    target's tokenizer with its own template instead of reading the files again; other vocabulary files read their
+    own. Negative control: where the vocabulary differs, the files are read."""
+    import transformers
+
+    from conftest import char_tokenizer
+    from specdec.runtimes import llamacpp
+
+    for name, template in (("target", "T {{ messages[0]['content'] }}"), ("draft", "D {{ messages[0]['content'] }}")):
+        char_tokenizer().save_pretrained(tmp_path / name)
+        (tmp_path / name / llamacpp.CHAT_TEMPLATE).write_text(template)
+    other = char_tokenizer()
+    other.add_tokens(["<extra>"])
+    other.save_pretrained(tmp_path / "other")
+    reads = []
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda directory, **kw: reads.append(Path(directory).name) or real(directory, **kw))
+    monkeypatch.setattr(llamacpp, "_TOKENIZERS", {})
+    target, draft = llamacpp.read_tokenizer(tmp_path / "target"), llamacpp.read_tokenizer(tmp_path / "draft")
+    assert reads == ["target"] and draft is not target
+    message = [{"role": "user", "content": "ab"}]
+    assert target.apply_chat_template(message, tokenize=False) == "T ab"
+    assert draft.apply_chat_template(message, tokenize=False) == "D ab"
+    assert draft("abc")["input_ids"] == target("abc")["input_ids"]
+    llamacpp.read_tokenizer(tmp_path / "other")
+    assert reads == ["target", "other"]
