@@ -633,3 +633,17 @@ def test_forks_of_a_model_drafter_read_ahead_one_at_a_time(target):
     assert not third.read_ahead(context) and third.runner.fed == []
     second.close()  # a client left mid-way: the next one reads
     assert not third.read_ahead(context) and third.runner.fed == [PassByPassRunner.PIECE]
+
+
+def test_the_choice_replay_charges_a_copied_answer_fewer_passes_than_its_tokens():
+    """benchmarks/choice_replay.py: an answer that copies a long stretch of its prompt is decoded in passes that cost
+    fewer one-token passes than it has tokens (the lookups are drafted and accepted); an answer of tokens the prompt
+    never holds costs exactly one one-token pass per token (nothing to look up)."""
+    from benchmarks.choice_replay import replay
+
+    def verify(width: int) -> float:
+        return 1.0 + 0.3 * (width - 1)
+
+    prompt = list(range(100, 160))
+    assert replay(prompt, prompt[10:50], verify) < 0.6 * 40
+    assert replay(prompt, list(range(200, 240)), verify) == pytest.approx(40.0)
