@@ -544,28 +544,6 @@ def test_a_draft_model_that_cannot_pay_on_this_machine_is_left_out_at_load(model
     assert kept.draft is not None and kept.draft_dropped is None and kept.drafter.model_drafter is not None
 
 
-def test_a_draft_model_left_out_once_is_not_loaded_again(model, gguf_path, monkeypatch):
-    """The draft model's step time is cached per machine and thread count: the next generator over the same files
-    judges it by that before loading it, and does not load one that cannot pay (its weights, its tokenizer, its
-    vocabulary check: over a second of every start of the default pair). Negative control: where it could pay
-    (draft_can_pay patched), it is loaded."""
-    target, tokenizer = model
-    first = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)
-    assert first.draft is None and first.draft_dropped
-    loads, real = [], llamacpp.LlamaCppModel.__init__
-
-    def counting(self, path, *args, **kwargs):
-        loads.append(path)
-        real(self, path, *args, **kwargs)
-
-    monkeypatch.setattr(llamacpp.LlamaCppModel, "__init__", counting)
-    again = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)
-    assert loads == [] and again.draft is None and again.draft_dropped == first.draft_dropped
-    monkeypatch.setattr(generator_module, "draft_can_pay", lambda *args: True)
-    paying = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)
-    assert loads and paying.draft is not None and paying.draft_dropped is None
-
-
 def test_weight_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(gguf_path, tmp_path):
     choice = llamacpp.choose_layouts(Path(gguf_path), 1)
     assert set(choice) == {"repack", "prefill_repack"} and all(isinstance(v, bool) for v in choice.values())

@@ -203,11 +203,6 @@ class Runtime:
         known before its calibration is paid for."""
         return None
 
-    def known_step_estimate(self, spec, threads: int | None = None) -> float | None:
-        """What step_estimate found for the model `spec` names (a path or registry name) with this many threads, at an
-        earlier load on this machine, without loading it; None where nothing was found (or the runtime keeps none)."""
-        return None
-
     def batching(self, model) -> Batching | None:
         """How the model's sequences can share passes exactly; None where each sequence takes passes of its own."""
         return None

@@ -152,23 +152,6 @@ class LlamaCppRuntime(Runtime):
     def step_estimate(self, model) -> float:
         return model.quick_step_s()
 
-    def known_step_estimate(self, spec, threads: int | None = None) -> float | None:
-        from specdec import registry
-        from specdec.runtimes.llamacpp.calibration import peek_json, step_settings
-        from specdec.runtimes.llamacpp.library import default_threads
-
-        if isinstance(spec, LlamaCppModel) or not isinstance(spec, (str, Path)):
-            return None
-        text = str(spec)
-        if text in registry.MODELS:
-            path = registry.gguf_file(text)
-        elif text.endswith(".gguf") and Path(text).expanduser().is_file():
-            path = Path(text).expanduser()
-        else:
-            return None
-        found = peek_json(path, "step", step_settings(threads or default_threads(), DEFAULT_KV_CACHE))
-        return None if found is None else found["seconds"]
-
     def batching(self, model) -> Batching:
         return Batching(model.batch_width, model.prefills_in_slots_exactly, model.fused_pass_cost)
 

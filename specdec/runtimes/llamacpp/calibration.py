@@ -39,14 +39,7 @@ CALIBRATIONS = {  # kind -> what it measures, as progress names it
     "kernel-plan": "which kernels take each pass width",
     "prefill-split": "where prompts run faster in the other weight layout",
     "batch-shapes": "which verify and batched passes stay exact",
-    "step": "what a one-token pass costs",
 }
-
-
-def step_settings(threads: int, kv_cache: str) -> str:
-    """The settings a model's step time is cached under (LlamaCppModel.quick_step_s), known before it is loaded: a
-    model whose weight layout is chosen at load (repack="auto") chooses the same one for these again."""
-    return f"threads={threads}|kv_cache={kv_cache}|layout=auto"
 
 
 # What is a property of the weights, the library build and the CPU, not of the timings: whether passes stay exact
@@ -71,9 +64,10 @@ def cached(model: LlamaCppModel, kind: str, measure) -> dict:
                        lambda: measure(model), describe)
 
 
-def _cache_file(path: Path, kind: str, settings: str) -> Path:
-    """Where a calibration of a GGUF file (path, size, mtime) is cached, per llama.cpp build, CPU flags and settings."""
+def cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -> dict:
+    """measure(), cached in a JSON file per GGUF file (path, size, mtime), llama.cpp build, CPU flags and settings."""
     import hashlib
+    import json
     from importlib.metadata import version
 
     from specdec.runtimes.llamacpp.kernels import multi_column_kernels
@@ -84,30 +78,20 @@ def _cache_file(path: Path, kind: str, settings: str) -> Path:
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('llama_cpp_python')}|"
                          f"{kernels_id()}|{multi_column_kernels()}|{cpu}|{settings}|{CALIBRATION_VERSION}".encode()
                          ).hexdigest()[:24]
-    return calibration_folder() / f"{path.stem}-{kind}-{key}.json"
+    cached = calibration_folder() / f"{path.stem}-{kind}-{key}.json"
 
+    def read() -> dict | None:
+        try:
+            return json.loads(cached.read_text())["measured"]
+        except (OSError, ValueError, KeyError):
+            return None
 
-def peek_json(path: Path, kind: str, settings: str) -> dict | None:
-    """What cached_json cached for these arguments, measuring nothing (None where nothing was cached)."""
-    import json
-
-    try:
-        return json.loads(_cache_file(path, kind, settings).read_text())["measured"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -> dict:
-    """measure(), cached in a JSON file per GGUF file (path, size, mtime), llama.cpp build, CPU flags and settings."""
-    import json
-
-    cached = _cache_file(path, kind, settings)
-    found = peek_json(path, kind, settings)
+    found = read()
     if found is not None:
         return found
     cached.parent.mkdir(parents=True, exist_ok=True)
     with _calibrating(cached.parent):
-        found = peek_json(path, kind, settings)  # another process may have measured it while this one waited
+        found = read()  # another process may have measured it while this one waited
         if found is None:
             # (a calibration that another one needs runs on that one's thread)
             with progress.step(f"calibrating {path.name}: {CALIBRATIONS.get(kind, kind)} (once on this machine)"):
