@@ -21,7 +21,8 @@ WHEELS ?= $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/wheels/$(CPU_KEY)-$(PATC
 LLAMA_CMAKE := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
 	-DLLAVA_BUILD=OFF
 
-.PHONY: setup models models-llama-cpp pull-gguf calibrate demo test test-fast bench clean llama-cpp-wheel llama-server bench-servers
+.PHONY: setup models models-llama-cpp pull-gguf calibrate demo test test-fast bench clean llama-cpp-wheel llama-server \
+	bench-servers
 
 setup: $(VENV)/.installed $(VENV)/.llama-cpp
 

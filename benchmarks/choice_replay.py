@@ -68,7 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--costs", type=Path, required=True, help="`specdec calibrate --json` output (pass_ms)")
     parser.add_argument("--servers", type=Path, help="a servers benchmark's results.json (its answers' token ids)")
-    parser.add_argument("--server", default="specdec-target-only", help="whose answers to replay (default: %(default)s)")
+    parser.add_argument("--server", default="specdec-target-only",
+                        help="whose answers to replay (default: %(default)s)")
     parser.add_argument("--lookups", type=Path, help="lookup_acceptance's results.json (its answers)")
     parser.add_argument("--bands", help="MATCH_BANDS to try instead, as MATCHED:PRIOR,... (e.g. 1:0.45,2:0.6,8:0.9)")
     parser.add_argument("--target", default="qwen2.5-coder-1.5b-instruct", help="whose tokenizer renders the prompts")

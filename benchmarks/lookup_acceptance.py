@@ -91,8 +91,8 @@ def report(results: dict, max_tokens: int) -> str:
         "# Suffix lookups accepted by the target", "",
         f"Command: `.venv/bin/python {results['command']}`  ",
         f"Machine: {results['machine']['cpu']}, {results['machine']['cores']} cores  ",
-        f"{len(results['answers'])} greedy answers of `{results['target']}` (at most {max_tokens} tokens) to prompts of "
-        f"the packaged workloads from the {SKIP + 1}st of each file on; a lookup after every answer token, "
+        f"{len(results['answers'])} greedy answers of `{results['target']}` (at most {max_tokens} tokens) to prompts "
+        f"of the packaged workloads from the {SKIP + 1}st of each file on; a lookup after every answer token, "
         f"{len(results['lookups'])} of which drafted.", "", *table(results["lookups"]), ""])
 
 

@@ -136,7 +136,8 @@ def _compare(gen, args, settings: dict, out) -> dict:
             rates["target_only"].append(baseline.stats.tokens_per_s)
             if peer is not None:
                 rates[key].append(measure())
-    comparison = {"rounds": args.compare_rounds, "identical": identical, **{name: median(r) for name, r in rates.items()}}
+    comparison = {"rounds": args.compare_rounds, "identical": identical,
+                  **{name: median(r) for name, r in rates.items()}}
     if peer is not None and key == "llama_server":
         comparison["llama_server_settings"] = how
     return comparison
