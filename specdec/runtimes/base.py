@@ -8,6 +8,7 @@ attributes.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Generator, Protocol, TypeVar
@@ -50,6 +51,23 @@ class Runner(Protocol):
 
 
 T = TypeVar("T")
+
+_next_pass = threading.local()
+
+
+def before_next_pass(callback: Callable[[], None] | None) -> None:
+    """Run callback once, in this thread, just before its next model pass starts (None: nothing). A pass lets other
+    Python threads run while it computes: the server hands the last cycle's chunks to its event loop then, so that
+    the loop's work on them overlaps the pass rather than holding up this thread's own Python (server.scheduler)."""
+    _next_pass.callback = callback
+
+
+def pass_starts() -> None:
+    """A model pass is about to start in this thread (every runtime calls it): the callback set for it runs, once."""
+    callback = getattr(_next_pass, "callback", None)
+    if callback is not None:
+        _next_pass.callback = None
+        callback()
 
 
 def prefill(runner: Runner, prompt_ids: torch.Tensor) -> Generator[None, None, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from specdec import progress
-from specdec.runtimes.base import Runner, Runtime
+from specdec.runtimes.base import Runner, Runtime, pass_starts
 
 
 class RollbackUnsupported(ValueError):
@@ -62,6 +62,7 @@ class TorchRunner:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        pass_starts()
         # logits_to_keep=1 skips the LM head (vocab x hidden per row) for positions nobody reads.
         out = self.model(input_ids=input_ids, cache=self.cache, use_cache=True, logits_to_keep=1 if last_only else 0)
         return out.logits[..., : self.vocab_size].float()

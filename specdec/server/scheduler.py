@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 from specdec.batching import Batch, Generation
 from specdec.requests import ContextLengthExceeded
+from specdec.runtimes.base import before_next_pass
 from specdec.server.errors import APIError, generation_failed
 
 if TYPE_CHECKING:
@@ -77,6 +78,11 @@ class Scheduler:
         self.request_timeout = request_timeout
         self._waiting: deque[Ticket] = deque()
         self._active: dict[Generation, Ticket] = {}
+        # A cycle's chunks that do not end their request go to the event loop when the next pass starts (_send): the
+        # loop's work on them then overlaps that pass. Handed over at once, each woke the loop, which then held the
+        # interpreter while the model's thread prepared the next pass and made it wait (1.1 ms a token served against
+        # 0.6 ms in one process, AMD EPYC Zen 4, 2 cores; 0.7 ms deferred).
+        self._outgoing: list[tuple[Ticket, Chunk]] = []
         self._starting = 0  # requests taken from the queue and not yet in the batch
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -152,6 +158,7 @@ class Scheduler:
         """End every request in the batch with error (a failure of the server, not of any one request), and the
         waiting ones too if the thread is ending (the next request starts a new one)."""
         failure = error if isinstance(error, Exception) else RuntimeError(f"the model's thread ended: {error!r}")
+        self._send()
         with self._changed:
             tickets = list(self._active.values())
             for generation in list(self._active):
@@ -168,6 +175,8 @@ class Scheduler:
     def _cycle(self) -> None:
         """One cycle: requests leave and join (waiting for one if there is none), then a step of every active one."""
         with self._changed:
+            if not self._waiting and not self._active:
+                self._send()  # (before waiting: nothing else would)
             while not self._waiting and not self._active:
                 self._changed.wait()
             self._leave()
@@ -190,9 +199,19 @@ class Scheduler:
                     log.error("a request failed", exc_info=outcome)
         for generation, outcome in outcomes:
             ticket = self._active[generation]
-            ticket.push(outcome)
             if isinstance(outcome, Exception) or outcome.finish_reason:
                 del self._active[generation]
+                self._send()  # (a request's chunks in order)
+                ticket.push(outcome)
+            else:
+                self._outgoing.append((ticket, outcome))
+        before_next_pass(self._send if self._outgoing else None)
+
+    def _send(self) -> None:
+        """Hand the chunks kept back to their requests' event loops."""
+        outgoing, self._outgoing = self._outgoing, []
+        for ticket, chunk in outgoing:
+            ticket.push(chunk)
 
     def _leave(self) -> None:
         """Before a cycle (under the lock): requests whose client left leave the batch, and requests past their
@@ -200,6 +219,7 @@ class Scheduler:
         now = time.perf_counter()
         for generation, ticket in list(self._active.items()):
             if ticket.cancelled or ticket.expired(now):
+                self._send()  # (a request's chunks before its timeout)
                 self.batch.drop(generation)
                 del self._active[generation]
                 if not ticket.cancelled:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from specdec.runtimes.base import pass_starts
 from specdec.runtimes.llamacpp.kernels import apply_attention_split
 from specdec.runtimes.llamacpp.library import library, recent_problems
 
@@ -175,6 +176,7 @@ def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, in
         batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, want
         batch.seq_id[i][0] = seq
     batch.n_tokens = len(entries)
+    pass_starts()
     with PASS_LOCK:  # the plan is one setting of the library: no other thread's pass may change it mid-pass
         plan.apply()
         apply_attention_split(model.attention_split)

@@ -99,6 +99,7 @@ class LlamaCppModel:
         self._self_test_failed = False  # (self_test): then every pass the engine verifies holds one token
         self._self_tested = False  # prepare_as_target runs the self-test once per load, however many generators
         self._kernel_plan: KernelPlan | None = None
+        self._exact_widths: tuple[tuple, dict[int, int]] | None = None  # (exact_widths: what it was computed from)
         # How its sequence states lay out their rows, for the prompt cache's blocks (kv_blocks.split learns it)
         self.kv_format: kv_blocks.StateFormat | None = None
         self.prefill_model = None if prefill_repack is None else LlamaCppModel(
@@ -167,8 +168,13 @@ class LlamaCppModel:
         """{cached tokens: the widest pass whose logits equal one-token passes bit for bit there}
         (calibration.measure_exact_widths's check, made with the batch calibration on its prompts prefilled alone),
         capped by the kernel plan's own check. Only a target needs it: drafts never have to be exact."""
-        found = self.batch_calibration["exact_width"]
-        return {int(length): min(width, self.plan_exact_width) for length, width in found.items()}
+        # (asked every cycle: kept while the plan and the calibrations it comes from are the same objects)
+        sources = self.kernel_plan, self.kernel_calibration, self.batch_calibration
+        if self._exact_widths is None or any(a is not b for a, b in zip(self._exact_widths[0], sources)):
+            found = sources[2]["exact_width"]
+            capped = {int(length): min(width, self.plan_exact_width) for length, width in found.items()}
+            self._exact_widths = sources, capped
+        return self._exact_widths[1]
 
     @property
     def prefill_min_tokens(self) -> int | None:
@@ -286,9 +292,9 @@ class LlamaCppModel:
         decoding would not. Up to the longest calibrated context it is the narrowest width found exact at any
         calibrated length; beyond that nothing was checked, so passes there verify one token.
         """
-        widths = self.exact_widths
         if self._self_test_failed:
             return 1
+        widths = self.exact_widths
         return min(widths.values()) if length <= max(widths) else 1
 
     def fused_pass_cost(self, items) -> float:
