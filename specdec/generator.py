@@ -17,7 +17,8 @@ from specdec.grammar import Grammar, GrammarTokenizer
 from specdec.logprobs import TokenLogprob, check_top, token_logprobs
 from specdec.batching import Batch
 from specdec.batching import Generation
-from specdec.drafters import CrossVocabDrafter, Drafter, ModelDrafter, SuffixDrafter, TargetInfo, build_drafter
+from specdec.drafters import (CrossVocabDrafter, Drafter, ModelDrafter, SuffixDrafter, TargetInfo, build_drafter,
+                              names_a_model)
 from specdec.drafters.choice import ChoosingDrafter, Costs, ServedPassCosts
 from specdec.vocabulary import own_vocab_size
 from specdec.output import Chunk, GenerationResult
@@ -33,6 +34,11 @@ DEFAULT_MAX_BATCH = 8  # requests generate_many decodes together (on llama.cpp: 
 # draft model that would not pay for its steps even then is left out at load (draft_can_pay)
 BEST_DRAFT_ACCEPTANCE = 0.9
 MOST_DRAFT_TOKENS = 15  # the longest draft the per-cycle choice weighs (a verify pass of 16 tokens)
+# A draft model's step time from an earlier load (runtime.known_step_estimate) leaves it out before its load only
+# where it could not pay even at this many times its speed: a step timed in a busy moment (the same 0.5B draft timed
+# 0.62-0.83 of a target step on one machine) must not keep a draft that pays from ever being loaded again. One that
+# is loaded is timed again, and that time is kept for the next load.
+KNOWN_STEP_MARGIN = 1.3
 
 log = logging.getLogger(__name__)
 PROMPT_PASS_TOKENS = 64  # prompt_logprobs' passes where the runtime says any width is exact
@@ -84,13 +90,19 @@ class SpeculativeGenerator:
         self._grammar_tokenizer: GrammarTokenizer | None = None
         info = TargetInfo(self.target, self.tokenizer, self.vocab_size, dtype, draft_quantization, self.runtime,
                           threads)
-        self.drafter, self.draft = build_drafter(draft, info, draft_tokenizer)
         self.target_costs = self.runtime.costs(self.target)  # PassCosts where the runtime measures them, else None
-        # Why the draft model given is not used on this machine (None: it is, or none was given)
+        # Why the draft model given is not used on this machine (None: it is, or none was given). Where an earlier
+        # load timed its step, it is judged before it is loaded, and one that cannot pay is not loaded at all (one to
+        # be quantized is loaded: the runtime may refuse that)
         self.draft_dropped = None
-        if (k == "auto" and not keep_draft and isinstance(self.drafter, ModelDrafter) and self.draft is not None
-                and self.target_costs):
-            self.draft_dropped = self._why_the_draft_cannot_pay()
+        judging = k == "auto" and not keep_draft and self.target_costs
+        if judging and draft_tokenizer is None and draft_quantization is None and names_a_model(draft):
+            known = self.runtime.known_step_estimate(draft, self.target, threads)
+            if known is not None and self._why_the_draft_cannot_pay(known / KNOWN_STEP_MARGIN):
+                self.draft_dropped = self._why_the_draft_cannot_pay(known)
+        self.drafter, self.draft = (None, None) if self.draft_dropped else build_drafter(draft, info, draft_tokenizer)
+        if judging and isinstance(self.drafter, ModelDrafter) and self.draft is not None:
+            self.draft_dropped = self._why_the_draft_cannot_pay(self.runtime.step_estimate(self.draft))
         if self.draft_dropped:
             log.warning("the draft model is not used: %s", self.draft_dropped)
             lookup_only = Costs(ServedPassCosts(self.target_costs.verify_cost), draft_step=0.0)
@@ -123,10 +135,9 @@ class SpeculativeGenerator:
             # conversation's next turn: it must know where answers are (with or without a cache: the same passes)
             self.target.answer_start, self.target.answer_end = answer_marks(self.tokenizer)
 
-    def _why_the_draft_cannot_pay(self) -> str | None:
-        """Where the runtime times a step of the draft model before calibrating it: why it cannot pay on this
-        machine (draft_can_pay), in words; None where it may."""
-        step = self.runtime.step_estimate(self.draft)
+    def _why_the_draft_cannot_pay(self, step: float | None) -> str | None:
+        """Given the seconds of a draft model's step (runtime.step_estimate, before it is calibrated; None where the
+        runtime does not time it): why it cannot pay on this machine (draft_can_pay), in words; None where it may."""
         if step is None:
             return None
         c, verify = step / self.target_costs.step_s, self.target_costs.verify_cost

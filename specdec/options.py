@@ -61,7 +61,7 @@ def generator_from_args(args, prompt_cache: float = 0, keep_draft: bool = False)
     draft_quantization = {"auto": runtime.default_draft_quantization, "none": None}.get(args.quantize_draft,
                                                                                      args.quantize_draft)
     draft = None if args.draft == "none" else args.draft
-    drafting = "target-only" if draft is None else f"drafting with {draft}"
+    drafting = "target-only" if draft is None else f"draft {draft}"  # (which may yet be left out: see the load)
     with progress.step(f"loading {args.target}, {drafting}, on {runtime.name}"):
         gen = SpeculativeGenerator(args.target, draft, k=args.k, target_quantization=args.quantize_target,
                                    draft_quantization=draft_quantization, runtime=runtime, threads=args.threads,

@@ -6,6 +6,7 @@ SPECDEC_REQUIRE_REAL_MODELS=1 (`make test`), where that is a failure.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 from pathlib import Path
@@ -542,6 +543,44 @@ def test_a_draft_model_that_cannot_pay_on_this_machine_is_left_out_at_load(model
     assert SpeculativeGenerator(target, gguf_path, k=2, tokenizer=tokenizer).draft is not None
     kept = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer, keep_draft=True)
     assert kept.draft is not None and kept.draft_dropped is None and kept.drafter.model_drafter is not None
+
+
+def test_a_draft_model_left_out_once_is_not_loaded_again(model, gguf_path, monkeypatch):
+    """The draft model's step time is cached per machine and thread count: the next generator over the same files
+    judges it by that before loading it, and does not load one that cannot pay (its weights, its tokenizer, its
+    vocabulary check: over a second of every start of the default pair). Negative controls: a draft to be quantized
+    (which the runtime refuses at its load) and one with another vocabulary than the target's (which drafts through a
+    mapping of tokens and is not judged by its step) are loaded; so is one whose cached step, timed in a busy
+    moment, is within KNOWN_STEP_MARGIN of paying (and it is timed again), and one that could pay (draft_can_pay
+    patched)."""
+    target, tokenizer = model
+    first = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)
+    assert first.draft is None and first.draft_dropped
+    loads, real = [], llamacpp.LlamaCppModel.__init__
+
+    def counting(self, path, *args, **kwargs):
+        loads.append(path)
+        real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(llamacpp.LlamaCppModel, "__init__", counting)
+    again = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)
+    assert loads == [] and again.draft is None and again.draft_dropped == first.draft_dropped
+    with pytest.raises(ValueError, match="own quantized weights"):  # (refused by the load, not left out before it)
+        SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer, draft_quantization="int8")
+    with monkeypatch.context() as patched:  # another vocabulary: every tokenizer's files differ
+        keys = itertools.count()
+        patched.setattr(llamacpp, "vocabulary_key", lambda directory: str(next(keys)))
+        other = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)
+    assert list(map(str, loads)) == [gguf_path] and other.draft is None and other.draft_dropped
+    known = other.runtime.known_step_estimate(gguf_path, target)
+    paying_below = 0.9 * known / other.target_costs.step_s  # (a step ratio that would pay: within the margin of it)
+    with monkeypatch.context() as patched:
+        patched.setattr(generator_module, "draft_can_pay", lambda c, verify, most: c < paying_below)
+        SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)
+    assert len(loads) == 2 and other.runtime.known_step_estimate(gguf_path, target) != known  # timed again, kept
+    monkeypatch.setattr(generator_module, "draft_can_pay", lambda *args: True)
+    paying = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer)
+    assert len(loads) == 3 and paying.draft is not None and paying.draft_dropped is None
 
 
 def test_weight_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(gguf_path, tmp_path):

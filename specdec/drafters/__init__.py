@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -77,6 +78,11 @@ def _other_vocabulary(draft_model, target: TargetInfo, draft_tokenizer) -> Vocab
         raise IncompatibleVocabulary(f"{difference}, and {error}") from None
 
 
+def names_a_model(spec) -> bool:
+    """Whether build_drafter would load `spec` as a draft model (a path or registry name, not a drafter's name)."""
+    return isinstance(spec, os.PathLike) or isinstance(spec, str) and spec.partition(":")[0] not in DRAFTERS
+
+
 def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Drafter, object]:
     """None | Drafter | registered name | draft model, path or registry model name -> (drafter, draft model or None)."""
     if spec is None:
@@ -92,7 +98,7 @@ def build_drafter(spec, target: TargetInfo, draft_tokenizer=None) -> tuple[Draft
 
 
 __all__ = ["DRAFTERS", "CrossVocabDrafter", "Drafter", "ModelDrafter", "NoDrafter", "Proposal", "TargetInfo",
-           "build_drafter", "model_drafter", "register"]
+           "build_drafter", "model_drafter", "names_a_model", "register"]
 
 # Imported last: each module registers its drafters with `register`, defined above.
 from specdec.drafters.early_exit import EarlyExitRunner, early_exit_drafter  # noqa: E402

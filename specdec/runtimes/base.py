@@ -221,6 +221,12 @@ class Runtime:
         known before its calibration is paid for."""
         return None
 
+    def known_step_estimate(self, spec, target, threads: int | None = None) -> float | None:
+        """What step_estimate found, at an earlier load on this machine with this many threads, for the draft model
+        `spec` names (a path or registry name) beside `target`, without loading it; None where nothing was found, the
+        runtime keeps none, or the draft is not judged by its step (another vocabulary than the target's)."""
+        return None
+
     def batching(self, model) -> Batching | None:
         """How the model's sequences can share passes exactly; None where each sequence takes passes of its own."""
         return None

@@ -67,6 +67,20 @@ _TOKENIZERS: dict[str, object] = {}
 CHAT_TEMPLATE = "chat_template.jinja"
 
 
+def vocabulary_key(directory: Path) -> str:
+    """A digest of the tokenizer files saved in `directory` but its chat template: the same for two GGUF files whose
+    tokenizers differ in their chat templates alone (a model family's sizes)."""
+    import hashlib
+
+    from specdec.registry.cache import MARKER
+
+    digest = hashlib.sha256()
+    for path in sorted(path for path in directory.iterdir() if path.is_file() and path.name not in (MARKER,
+                                                                                                      CHAT_TEMPLATE)):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def read_tokenizer(directory: Path):
     """The transformers tokenizer saved in `directory` (registry.gguf_tokenizer_dir)."""
     import copy
@@ -76,13 +90,8 @@ def read_tokenizer(directory: Path):
 
     from specdec.registry.cache import MARKER
 
-    files = sorted(path for path in directory.iterdir() if path.is_file() and path.name != MARKER)
-    digest = hashlib.sha256()
-    for path in files:
-        if path.name != CHAT_TEMPLATE:
-            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     template = directory / CHAT_TEMPLATE
-    key = f"{digest.hexdigest()}|{template.is_file()}"  # (without a template file, the config holds the template)
+    key = f"{vocabulary_key(directory)}|{template.is_file()}"  # (without a template file, the config holds it)
     if key not in _TOKENIZERS:
         _TOKENIZERS[key] = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         return _TOKENIZERS[key]
@@ -151,6 +160,27 @@ class LlamaCppRuntime(Runtime):
 
     def step_estimate(self, model) -> float:
         return model.quick_step_s()
+
+    def known_step_estimate(self, spec, target, threads: int | None = None) -> float | None:
+        from specdec import registry
+        from specdec.runtimes.llamacpp.calibration import peek_json, step_settings
+        from specdec.runtimes.llamacpp.library import default_threads
+
+        if not isinstance(spec, (str, Path)) or not isinstance(target, LlamaCppModel):
+            return None
+        text = str(spec)
+        if text in registry.MODELS:
+            path = registry.gguf_file(text)
+        elif text.endswith(".gguf") and Path(text).expanduser().is_file():
+            path = Path(text).expanduser()
+        else:
+            return None
+        # Only a draft with the target's vocabulary is judged by its step (one with another drafts through a mapping
+        # of tokens, drafters.cross_vocab, and is not judged so): the same tokenizer files, but the chat template
+        if len({vocabulary_key(registry.gguf_tokenizer_dir(gguf)) for gguf in (path, target.path)}) > 1:
+            return None
+        found = peek_json(path, "step", step_settings(threads or default_threads(), DEFAULT_KV_CACHE))
+        return None if found is None else found["seconds"]
 
     def batching(self, model) -> Batching:
         return Batching(model.batch_width, model.prefills_in_slots_exactly, model.fused_pass_cost)

@@ -39,7 +39,14 @@ CALIBRATIONS = {  # kind -> what it measures, as progress names it
     "kernel-plan": "which kernels take each pass width",
     "prefill-split": "where prompts run faster in the other weight layout",
     "batch-shapes": "which verify and batched passes stay exact",
+    "step": "what a one-token pass costs",
 }
+
+
+def step_settings(threads: int, kv_cache: str) -> str:
+    """The settings a model's step time is cached under (LlamaCppModel.quick_step_s), known before it is loaded: a
+    model whose weight layout is chosen at load (repack="auto") chooses the same one for these again."""
+    return f"threads={threads}|kv_cache={kv_cache}|layout=auto"
 
 
 # What is a property of the weights, the library build and the CPU, not of the timings: whether passes stay exact
@@ -64,10 +71,9 @@ def cached(model: LlamaCppModel, kind: str, measure) -> dict:
                        lambda: measure(model), describe)
 
 
-def cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -> dict:
-    """measure(), cached in a JSON file per GGUF file (path, size, mtime), llama.cpp build, CPU flags and settings."""
+def _cache_file(path: Path, kind: str, settings: str) -> Path:
+    """Where a calibration of a GGUF file (path, size, mtime) is cached, per llama.cpp build, CPU flags and settings."""
     import hashlib
-    import json
     from importlib.metadata import version
 
     from specdec.runtimes.llamacpp.kernels import multi_column_kernels
@@ -78,28 +84,45 @@ def cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -
     key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{version('llama_cpp_python')}|"
                          f"{kernels_id()}|{multi_column_kernels()}|{cpu}|{settings}|{CALIBRATION_VERSION}".encode()
                          ).hexdigest()[:24]
-    cached = calibration_folder() / f"{path.stem}-{kind}-{key}.json"
+    return calibration_folder() / f"{path.stem}-{kind}-{key}.json"
 
-    def read() -> dict | None:
-        try:
-            return json.loads(cached.read_text())["measured"]
-        except (OSError, ValueError, KeyError):
-            return None
 
-    found = read()
+def peek_json(path: Path, kind: str, settings: str) -> dict | None:
+    """What cached_json cached for these arguments, measuring nothing (None where nothing was cached)."""
+    import json
+
+    try:
+        return json.loads(_cache_file(path, kind, settings).read_text())["measured"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def cached_json(path: Path, kind: str, settings: str, measure, describe: dict) -> dict:
+    """measure(), cached in a JSON file per GGUF file (path, size, mtime), llama.cpp build, CPU flags and settings."""
+    cached = _cache_file(path, kind, settings)
+    found = peek_json(path, kind, settings)
     if found is not None:
         return found
     cached.parent.mkdir(parents=True, exist_ok=True)
     with _calibrating(cached.parent):
-        found = read()  # another process may have measured it while this one waited
+        found = peek_json(path, kind, settings)  # another process may have measured it while this one waited
         if found is None:
             # (a calibration that another one needs runs on that one's thread)
             with progress.step(f"calibrating {path.name}: {CALIBRATIONS.get(kind, kind)} (once on this machine)"):
                 found = measure() if _calibration_depth > 1 else on_a_thread_of_its_own(measure)
-            partial = cached.with_name(cached.name + ".partial")
-            partial.write_text(json.dumps({"model": str(path), **describe, "measured": found}) + "\n")
-            partial.replace(cached)
+            store_json(path, kind, settings, found, describe)
     return found
+
+
+def store_json(path: Path, kind: str, settings: str, measured: dict, describe: dict) -> None:
+    """Cache `measured` where cached_json and peek_json look for it (replacing what was there)."""
+    import json
+
+    cached = _cache_file(path, kind, settings)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps({"model": str(path), **describe, "measured": measured}) + "\n")
+    partial.replace(cached)
 
 
 def calibration_folder() -> Path:

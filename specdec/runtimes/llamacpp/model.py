@@ -58,6 +58,8 @@ class LlamaCppModel:
         if prefill_repack not in (True, False, None, "auto"):
             raise ValueError(f"prefill_repack must be True, False, None or 'auto', got {prefill_repack!r}")
         layouts = choose_layouts(self.path, self.threads) if repack == "auto" else {}
+        # (quick_step_s: a step is cached per machine where nothing but the thread count and cache type sets it)
+        self._layout_chosen = repack == "auto" and not attention_split
         self.repack = layouts.get("repack", repack)
         if prefill_repack == "auto":
             prefill_repack = layouts.get("prefill_repack", self.repack)
@@ -235,13 +237,16 @@ class LlamaCppModel:
     def quick_step_s(self, passes: int = 5) -> float:
         """Seconds of a one-token pass after a short context, the fastest of `passes`, under llama.cpp's own kernels:
         what a step of this model costs before anything of it is calibrated (the kernel plan's one-token kernels are
-        within a few percent of it). On a thread of its own, as the calibrations (calibration.on_a_thread_of_its_own)."""
+        within a few percent of it). On a thread of its own, as the calibrations (calibration.on_a_thread_of_its_own).
+        Measured at every call (a busy moment of the machine must not stay in it) and cached per machine and thread
+        count where the weight layout was chosen at load, so that a later generator can judge a draft model by it
+        before loading it (LlamaCppRuntime.known_step_estimate)."""
         import time
 
         prefix = calibration.CALIBRATION_CONTEXTS[0]
         tokens = calibration.probe_tokens(self, prefix + 1)
 
-        def measure() -> float:
+        def measure() -> dict:
             planned, self._kernel_plan = self._kernel_plan, KernelPlan.uniform(LLAMA_CPP_KERNELS)
             runner = calibration.private_runner(self, tokens.shape[1])
             try:
@@ -255,9 +260,13 @@ class LlamaCppModel:
             finally:
                 runner.close()
                 self._kernel_plan = planned
-            return min(seconds)
+            return {"seconds": min(seconds)}
 
-        return calibration.on_a_thread_of_its_own(measure)
+        measured = calibration.on_a_thread_of_its_own(measure)
+        if self._layout_chosen:
+            calibration.store_json(self.path, "step", calibration.step_settings(self.threads, self.kv_cache), measured,
+                                   {"threads": self.threads, "passes": passes})
+        return measured["seconds"]
 
     def self_test(self) -> bool:
         """At every load: a pass as wide as the engine will verify, after a short context, against one-token passes
