@@ -80,8 +80,8 @@ class Scheduler:
         self._active: dict[Generation, Ticket] = {}
         # A cycle's chunks that do not end their request go to the event loop when the next pass starts (_send): the
         # loop's work on them then overlaps that pass. Handed over at once, each woke the loop, which then held the
-        # interpreter while the model's thread prepared the next pass and made it wait (1.1 ms a token served against
-        # 0.6 ms in one process, AMD EPYC Zen 4, 2 cores; 0.7 ms deferred).
+        # interpreter while the model's thread prepared the next pass and made it wait (outside the passes 1.11 ms a
+        # token served, 0.66 ms handed over at the next pass: AMD EPYC Zen 4, 2 cores, docs/served-overhead-zen4).
         self._outgoing: list[tuple[Ticket, Chunk]] = []
         self._starting = 0  # requests taken from the queue and not yet in the batch
         self._changed = threading.Condition()
