@@ -8,7 +8,7 @@ MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
 # The demo asks for a code edit, the default coder pair's everyday work, where an answer copies much of its prompt
 DEMO_PROMPT := examples/add-type-hints.txt
 
-# llama-cpp-python compiles llama.cpp for this CPU (about 10 minutes on 2 cores), from its source release with
+# llama-cpp-python compiles llama.cpp for this CPU (4-10 minutes on 2 cores), from its source release with
 # specdec's kernel patch applied (native/: exact multi-token verify passes, KV caches that take memory as they fill).
 # The wheel is built once per CPU feature set and patch into WHEELS and installed from there afterwards (seconds);
 # pip's own cache is bypassed, as it would hand back a wheel built for another CPU or without the patch.
@@ -37,7 +37,7 @@ $(VENV)/.installed: requirements.txt requirements-ray.txt requirements-data.txt 
 
 llama-cpp-wheel:
 	@if ! ls $(WHEELS)/llama_cpp_python-$(LLAMA_CPP_VERSION)-*.whl >/dev/null 2>&1; then \
-		echo "building $(LLAMA_CPP) with specdec's kernel patch for this CPU (about 10 minutes on 2 cores, once) into $(WHEELS)"; \
+		echo "building $(LLAMA_CPP) with specdec's kernel patch for this CPU (4-10 minutes on 2 cores, once) into $(WHEELS)"; \
 		CMAKE_ARGS="$(LLAMA_CMAKE)" native/build-llama-cpp-wheel.sh $(BIN)/python $(LLAMA_CPP_VERSION) $(WHEELS); \
 	fi
 
@@ -113,7 +113,7 @@ bench: models-llama-cpp
 	$(BIN)/specdec bench --preset quick
 
 # Upstream llama-server, unpatched, from the same llama.cpp source as LLAMA_CPP: the baseline of `python -m benchmarks
-# servers` (about 10 minutes on 2 cores, once per CPU feature set and build script). specdec/llama_server.py computes
+# servers` (5-10 minutes on 2 cores, once per CPU feature set and build script). specdec/llama_server.py computes
 # the same path.
 LLAMA_SERVER_DIR := $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/llama-server/$(CPU_KEY)-$(LLAMA_CPP_VERSION)-$(shell md5sum native/build-llama-server.sh | cut -c1-8)
 

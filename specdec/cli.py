@@ -55,7 +55,16 @@ def run_generate(args) -> int:
     gen = generator_from_args(args)
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat)
-    out = gen.generate(args.prompt, **settings)
+    if args.json:
+        out = gen.generate(args.prompt, **settings)
+    else:  # the answer as it comes, before any comparison
+        from specdec.display import MarkedStream
+
+        shown = MarkedStream(gen.tokenizer)
+        for chunk in gen.stream(args.prompt, **settings):
+            shown.add(chunk)
+        shown.end()
+        out = shown.result()
     comparison = _compare(gen, args, settings, out) if args.compare else None
     if args.json:
         record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
@@ -75,9 +84,8 @@ def run_generate(args) -> int:
                                        "speedup": ours / comparison["llama_cpp"]}
         print(json.dumps(record))
         return 0
-    from specdec.display import print_marked, summary_line
+    from specdec.display import summary_line
 
-    print_marked(gen.tokenizer, out.token_ids, out.from_draft)
     print(summary_line(out.stats, args.draft != "none"))
     if comparison is not None:
         ours = comparison["specdec"]

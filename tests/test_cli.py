@@ -86,6 +86,25 @@ def test_compare_runs_each_configuration_in_turn_and_reports_medians(model_dirs,
     assert baseline["speedup"] == pytest.approx(compared["tokens_per_s"] / baseline["tokens_per_s"])
 
 
+def test_the_answer_is_printed_as_it_comes_before_the_comparison_runs(model_dirs, capsys, monkeypatch):
+    """Without --json the answer streams to stdout chunk by chunk (flushed, so a pipe sees it too) and is whole before
+    --compare's timed runs start; its text is the Python API's."""
+    from specdec.generator import SpeculativeGenerator
+
+    expected = SpeculativeGenerator(str(model_dirs[0]), None).generate("ab ab", max_new_tokens=8)
+    printed, real = [], SpeculativeGenerator.generate
+
+    def generate(self, prompt, **settings):
+        printed.append(capsys.readouterr().out)  # what stdout held before this run
+        return real(self, prompt, **settings)
+
+    monkeypatch.setattr(SpeculativeGenerator, "generate", generate)
+    code, out, _ = run(capsys, "generate", "--target", str(model_dirs[0]), "--draft", "none", "--prompt", "ab ab",
+                       "--max-new-tokens", "8", "--compare", "--compare-rounds", "1")
+    assert code == 0 and expected.text and printed[0] == expected.text + "\n"
+    assert "speed-up" in out
+
+
 def test_a_float32_target_that_verifies_one_token_at_a_time_says_so(model_dirs, capsys):
     """The tiny float32 target's passes over several tokens are not bit-exact: nothing is drafted, and the summary
     says why instead of blaming the drafter."""
