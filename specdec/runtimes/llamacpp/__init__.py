@@ -84,11 +84,8 @@ def vocabulary_key(directory: Path) -> str:
 def read_tokenizer(directory: Path):
     """The transformers tokenizer saved in `directory` (registry.gguf_tokenizer_dir)."""
     import copy
-    import hashlib
 
     from transformers import AutoTokenizer
-
-    from specdec.registry.cache import MARKER
 
     template = directory / CHAT_TEMPLATE
     key = f"{vocabulary_key(directory)}|{template.is_file()}"  # (without a template file, the config holds it)
