@@ -11,19 +11,6 @@ from specdec.output import Chunk, GenerationResult
 DRAFT_STYLE = "bold green"  # tokens the drafter proposed and the target accepted
 
 
-def marked_text(tokenizer, token_ids: list[int], from_draft: list[bool]) -> Text:
-    """Rich text of the tokens, styled by author. Each token's text is its prefix decode minus the previous one,
-    so multi-token characters are shown whole."""
-    out, previous = Text(), ""
-    for i, drafted in enumerate(from_draft):
-        current = tokenizer.decode(token_ids[: i + 1], skip_special_tokens=True)
-        if current.endswith("\ufffd"):
-            continue
-        out.append(current[len(previous):], style=DRAFT_STYLE if drafted else None)
-        previous = current
-    return out
-
-
 class MarkedStream:
     """Prints a generation's chunks as they come, the draft-authored tokens marked (on a terminal; plain text
     elsewhere, flushed chunk by chunk), and gathers them into its GenerationResult."""
