@@ -51,11 +51,11 @@ models-llama-cpp: setup pull-gguf
 
 # (The pull needs the packages, not the llama.cpp build: the demo runs it beside that build)
 pull-gguf: $(VENV)/.installed
-	$(BIN)/specdec models pull --runtime llama.cpp $(MODELS)
+	$(BIN)/specdec-exact models pull --runtime llama.cpp $(MODELS)
 
 # Also the fp32 transformers copies that the torch runtime (and its real-model tests) load: ~2 minutes, ~9 GB peak RSS.
 models: models-llama-cpp
-	$(BIN)/specdec models pull $(MODELS)
+	$(BIN)/specdec-exact models pull $(MODELS)
 
 # The default pair's calibration on this machine, at set-up rather than at the first load: the exactness checks (kept
 # per model file, llama.cpp build and CPU) and the timings for the default thread count (about 4 minutes on 2 cores,
@@ -66,7 +66,7 @@ calibrate: $(CALIBRATED)
 
 $(CALIBRATED): $(VENV)/.llama-cpp
 	$(MAKE) models-llama-cpp
-	$(BIN)/specdec calibrate
+	$(BIN)/specdec-exact calibrate
 	touch $@
 
 # On a fresh machine the patched wheel builds while the models download, then the calibration runs alone (its timings
@@ -78,7 +78,7 @@ $(CALIBRATED): $(VENV)/.llama-cpp
 demo:
 	@if ! $(MAKE) --no-print-directory -q $(CALIBRATED); then \
 		$(MAKE) --no-print-directory -j2 $(VENV)/.llama-cpp pull-gguf && $(MAKE) --no-print-directory calibrate; fi
-	$(BIN)/specdec generate --chat --compare --compare-rounds 1 --max-new-tokens 128 --prompt-file $(DEMO_PROMPT)
+	$(BIN)/specdec-exact generate --chat --compare --compare-rounds 1 --max-new-tokens 128 --prompt-file $(DEMO_PROMPT)
 	@echo "(Where an answer copies little of its prompt, as in open chat or maths, specdec decodes at llama-server's"
 	@echo " speed, no faster: BENCHMARKS.md has every kind of prompt, measured side by side.)"
 	@if [ ! -x $(LLAMA_SERVER_DIR)/llama-server ]; then \
@@ -110,10 +110,10 @@ test-fast: setup
 	SPECDEC_GGML_INCLUDE=$(WHEELS)/include $(BIN)/python -m pytest -q -p no:cacheprovider -m "not real_model"
 
 bench: models-llama-cpp
-	$(BIN)/specdec bench --preset quick
+	$(BIN)/specdec-exact bench --preset quick
 
 # Upstream llama-server, unpatched, from the same llama.cpp source as LLAMA_CPP: the baseline of `python -m benchmarks
-# servers` (5-10 minutes on 2 cores, once per CPU feature set and build script). specdec/llama_server.py computes
+# servers` (5-10 minutes on 2 cores, once per CPU feature set and build script). specdec_exact/llama_server.py computes
 # the same path.
 LLAMA_SERVER_DIR := $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/llama-server/$(CPU_KEY)-$(LLAMA_CPP_VERSION)-$(shell md5sum native/build-llama-server.sh | cut -c1-8)
 

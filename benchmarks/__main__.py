@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from benchmarks import conversation, interleave, kernels, load, replicas, servers
-from specdec.options import run_subcommands
+from specdec_exact.options import run_subcommands
 
 # name -> function that adds the subcommand's parser (and sets its handler as `func`)
 COMMANDS = {

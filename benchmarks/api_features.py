@@ -1,6 +1,6 @@
 """What the OpenAI API's features cost: tokens/s of greedy chat completions with no feature, with log-probabilities
-(`logprobs: true, top_logprobs: 1`) and with a JSON schema (`response_format`), on specdec serve (its defaults) and
-on upstream llama-server (its defaults, the same GGUF file), side by side in one run.
+(`logprobs: true, top_logprobs: 1`) and with a JSON schema (`response_format`), on specdec-exact serve (its defaults)
+and on upstream llama-server (its defaults, the same GGUF file), side by side in one run.
 
 Every prompt asks for a JSON record; each round sends every prompt with every feature to every server in turn (the
 features' and the servers' order rotated), streamed, prefill included, as `python -m benchmarks servers` measures.
@@ -134,7 +134,7 @@ def rates(results: dict, decode: bool = False) -> dict[str, dict[str, float]]:
 
 def report(results: dict) -> str:
     machine = results["machine"]
-    lines = ["# The API's features: specdec serve against llama-server", "",
+    lines = ["# The API's features: specdec-exact serve against llama-server", "",
              f"Command: `{results['command']}`  ",
              f"Machine: {machine['cpu']}, {machine['cores']} cores  ",
              f"Versions: {results['versions']}; llama-server: {results.get('llama_server')}  ",

@@ -1,9 +1,9 @@
 """How the per-cycle choice of drafts would do on answers already recorded, without a model: a quick check of a change
-to its rules or priors (specdec/drafters/choice.py) before a benchmark run.
+to its rules or priors (specdec_exact/drafters/choice.py) before a benchmark run.
 
 Each recorded greedy answer is replayed after its prompt: every cycle asks the choice (suffix lookup or a plain step,
 as the default drafter decides where the draft model is left out) for a draft, accepts the prefix that the recorded
-answer goes on with, and charges the calibrated cost of the target pass over that many tokens (`specdec calibrate
+answer goes on with, and charges the calibrated cost of the target pass over that many tokens (`specdec-exact calibrate
 --json`'s pass_ms). The prediction is the decoding speed-up over target-only: answer tokens over the passes' cost in
 one-token passes. It leaves out what a run also pays (the prompt's prefill, the Python of each cycle, the noise of a
 shared machine) and each answer is replayed alone, without the earlier requests a server's lookup also draws on; it
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from specdec.drafters import choice
-from specdec.drafters.choice import ChoosingDrafter, Costs, ServedPassCosts
-from specdec.drafters.suffix import SuffixDrafter
+from specdec_exact.drafters import choice
+from specdec_exact.drafters.choice import ChoosingDrafter, Costs, ServedPassCosts
+from specdec_exact.drafters.suffix import SuffixDrafter
 
 PROMPTS = Path(__file__).parent / "data" / "server_prompts.json"
 
@@ -66,7 +66,7 @@ def cases(servers: Path | None, lookups: Path | None, server: str, tokenizer) ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--costs", type=Path, required=True, help="`specdec calibrate --json` output (pass_ms)")
+    parser.add_argument("--costs", type=Path, required=True, help="`specdec-exact calibrate --json` output (pass_ms)")
     parser.add_argument("--servers", type=Path, help="a servers benchmark's results.json (its answers' token ids)")
     parser.add_argument("--server", default="specdec-target-only",
                         help="whose answers to replay (default: %(default)s)")
@@ -85,8 +85,8 @@ def main() -> None:
         bands = {int(matched): float(prior) for matched, prior in (item.split(":") for item in args.bands.split(","))}
         choice.MATCH_BANDS.clear()
         choice.MATCH_BANDS.update(bands)
-    from specdec import registry
-    from specdec.runtimes.llamacpp import read_tokenizer
+    from specdec_exact import registry
+    from specdec_exact.runtimes.llamacpp import read_tokenizer
 
     tokenizer = read_tokenizer(registry.gguf_tokenizer_dir(registry.gguf_file(args.target)))
     totals = defaultdict(lambda: [0, 0.0])  # kind -> [answer tokens, cost]

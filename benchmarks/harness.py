@@ -1,8 +1,9 @@
 """The harness every benchmark of servers runs on: the servers' processes, the client, the schedule, the records and
 the report's pieces. A benchmark keeps only what is its own: which servers, what it sends, its figures and its report.
 
-Setup, Server       what a server's command line is made of; a server under test (a specdec.llama_server.ServerCommand
-                    that says whether it is a llama-server baseline and whether its answers carry token ids)
+Setup, Server       what a server's command line is made of; a server under test (a
+                    specdec_exact.llama_server.ServerCommand that says whether it is a llama-server baseline and
+                    whether its answers carry token ids)
 specdec_serve, llama_server_argv, llama_server   the command lines of the servers under test
 load_prompts        the chat prompts of six kinds (data/server_prompts.json) and the warm-up prompt
 start_servers, serving   each server started in turn (its log in out/logs), connected, recorded, warmed up
@@ -28,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from specdec import DISTRIBUTION, registry
-from specdec.bench.runner import machine_info, save, version_of
-from specdec.llama_server import (LLAMA_SERVER_FALLBACK, PORT, ServerCommand, ServerError, ServerProcess,
-                                  default_llama_server, openai_module)
-from specdec.llama_server import llama_server_argv as _llama_server_argv
+from specdec_exact import DISTRIBUTION, registry
+from specdec_exact.bench.runner import machine_info, save, version_of
+from specdec_exact.llama_server import (LLAMA_SERVER_FALLBACK, PORT, ServerCommand, ServerError, ServerProcess,
+                                        default_llama_server, openai_module)
+from specdec_exact.llama_server import llama_server_argv as _llama_server_argv
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "server_prompts.json"
 KINDS = ("code-edit", "document-qa", "chat", "maths", "translation", "summary")
@@ -71,9 +72,9 @@ def llama_server(name: str, setup: Setup, *extra: str) -> Server:
 
 
 def specdec_serve(setup: Setup, draft: str) -> tuple[str, ...]:
-    """specdec serve's command line with this draft; --max-batch where more than one client sends at once."""
+    """specdec-exact serve's command line with this draft; --max-batch where more than one client sends at once."""
     batch = ("--max-batch", str(setup.concurrent)) if setup.concurrent > 1 else ()  # else its default
-    return (sys.executable, "-m", "specdec.cli", "serve", "--target", setup.target, "--draft", draft, "--threads",
+    return (sys.executable, "-m", "specdec_exact.cli", "serve", "--target", setup.target, "--draft", draft, "--threads",
             str(setup.threads), *batch, "--host", "127.0.0.1", "--port", PORT)
 
 
@@ -325,14 +326,14 @@ def add_benchmark(subparsers, name: str, run: Callable[[argparse.Namespace], int
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, out: str) -> None:
-    """The options of a benchmark of specdec serve against llama-server on the default pair, --out's default folder
-    `out`."""
+    """The options of a benchmark of specdec-exact serve against llama-server on the default pair, --out's default
+    folder `out`."""
     parser.add_argument("--llama-server", default=None,
                         help="the llama-server binary (default: where `make llama-server` builds it)")
     parser.add_argument("--target", default=registry.DEFAULT_TARGET,
                         help="registry name or .gguf file of the target (default: %(default)s)")
     parser.add_argument("--draft", default=registry.DEFAULT_DRAFT,
-                        help="the draft model, for specdec serve (and llama-server -md) (default: %(default)s)")
+                        help="the draft model, for specdec-exact serve (and llama-server -md) (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads of every server (default: every core this process may use)")
     add_run_arguments(parser, out)
@@ -341,7 +342,7 @@ def add_common_arguments(parser: argparse.ArgumentParser, out: str) -> None:
 def add_run_arguments(parser: argparse.ArgumentParser, out: str) -> None:
     """--startup-timeout, --report and --out (default folder `out`): the options of every benchmark of servers."""
     parser.add_argument("--startup-timeout", type=float, default=1800.0,
-                        help="seconds a server may take to become ready; specdec serve calibrates its kernels on "
+                        help="seconds a server may take to become ready; specdec-exact serve calibrates its kernels on "
                              "the first start on a machine (default: %(default)s)")
     parser.add_argument("--report", default=None, metavar="RESULTS_JSON",
                         help="re-render report.md beside this results.json, measuring nothing")

@@ -1,7 +1,7 @@
 """`python -m benchmarks interleave`: while one client streams a long answer, another sends a long prompt (a news
 article of about 2,000 tokens to summarise); how long does the streaming client wait between two pieces of its answer?
 
-Each server takes two requests at once (specdec serve --max-batch 2, llama-server -np 2). Each round, every server
+Each server takes two requests at once (specdec-exact serve --max-batch 2, llama-server -np 2). Each round, every server
 in turn (the order rotated per round): the streaming request alone first (its answer and its own gaps, undisturbed),
 then again with the long prompt sent once its first STARTED_AFTER pieces have come. Every round takes a new article,
 so no server has its prompt cached. Reported per server, medians over rounds: the streaming client's longest gap
@@ -36,7 +36,7 @@ STREAMED = (  # the streaming client's requests, one per round in turn: long ans
 
 
 def servers(setup: Setup) -> list[Server]:
-    """specdec serve and llama-server, each taking two requests at once."""
+    """specdec-exact serve and llama-server, each taking two requests at once."""
     return [Server(SPECDEC, specdec_serve(setup, setup.draft), token_ids=True),
             llama_server(LLAMA, setup)]
 
@@ -44,7 +44,7 @@ def servers(setup: Setup) -> list[Server]:
 def long_prompts(rounds: int) -> list[dict]:
     """One long prompt per round (-> source, text): the first XSum articles in file order within ARTICLE_CHARS, to
     summarise."""
-    from specdec.bench.workloads import load_xsum
+    from specdec_exact.bench.workloads import load_xsum
 
     found = []
     for prompt in load_xsum():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, PLAN_PREFIX
+from specdec_exact.runtimes.llamacpp.kernels import LLAMA_CPP, PLAN_PREFIX
 
 
 def add_parser(subparsers) -> None:
@@ -37,8 +37,8 @@ def time_kv_caches(model, prompt_tokens: int, repeats: int = 7) -> dict:
     import statistics
     import time
 
-    from specdec.runtimes.llamacpp import LlamaCppModel
-    from specdec.runtimes.llamacpp.calibration import private_runner, probe_tokens
+    from specdec_exact.runtimes.llamacpp import LlamaCppModel
+    from specdec_exact.runtimes.llamacpp.calibration import private_runner, probe_tokens
 
     contexts = [c for c in KV_CONTEXTS if c < prompt_tokens]
     models = {kind: LlamaCppModel(model.path, model.threads, kv_cache=kind) for kind in dict(KV_SETTINGS)}
@@ -82,10 +82,10 @@ def print_kv_caches(found: dict) -> None:
 
 
 def run_kernels(args) -> int:
-    from specdec import registry
-    from specdec.bench.runner import kernel_patch_hash, machine_info, save, versions
-    from specdec.runtimes.llamacpp import load
-    from specdec.runtimes.llamacpp.layouts import choose_layouts
+    from specdec_exact import registry
+    from specdec_exact.bench.runner import kernel_patch_hash, machine_info, save, versions
+    from specdec_exact.runtimes.llamacpp import load
+    from specdec_exact.runtimes.llamacpp.layouts import choose_layouts
 
     model, _ = load(args.target or registry.DEFAULT_TARGET, threads=args.threads)
     found = model.kernel_calibration

@@ -20,9 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.harness import client_of, command_line, names, write
-from specdec.bench.runner import machine_info, pyplot, save
-from specdec.llama_server import free_port, openai_module
-from specdec.options import add_generation_args, generator_from_args
+from specdec_exact.bench.runner import machine_info, pyplot, save
+from specdec_exact.llama_server import free_port, openai_module
+from specdec_exact.options import add_generation_args, generator_from_args
 
 DEFAULT_CLIENTS = "1,2,4,8,16"
 DEFAULT_TASKS = ("code", "summarisation")
@@ -65,7 +65,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_load_command(args) -> int:
 
-    from specdec.bench.workloads import TASKS
+    from specdec_exact.bench.workloads import TASKS
 
     clients = _counts(args.clients)
     if min(args.requests, args.max_tokens, args.rounds, args.max_prompt_tokens) < 1 or args.max_batch < 2:
@@ -102,7 +102,7 @@ def _counts(text: str) -> list[int]:
 def load_prompts(generator, count: int, tasks=DEFAULT_TASKS, max_tokens: int = 160) -> list[str]:
     """`count` real prompts of the packaged workloads' tasks, taken in turn: each task's first prompts of at most
     max_tokens tokens (short enough for 2 cores)."""
-    from specdec.bench.workloads import TASKS, select
+    from specdec_exact.bench.workloads import TASKS, select
 
     def n_tokens(prompt):
         return len(generator.tokenizer(prompt.text)["input_ids"])
@@ -123,7 +123,7 @@ def run_load(generator, prompts: list[str], clients: list[int], requests: int, m
     one, each driven by that many clients with `requests` prompts each -> the results, a row per server, count and
     round. Every answer is checked token for token against the prompt's own generate() output (or references: the
     token ids of each prompt's greedy chat answer, made by another generator of the same target)."""
-    from specdec.server import create_app
+    from specdec_exact.server import create_app
 
     if references is None:
         references = {prompt: generator.generate(prompt, max_new_tokens=max_tokens, chat=True).token_ids
@@ -304,7 +304,7 @@ def plot(results: dict, path: Path) -> bool:
     axes.set_ylim(bottom=0)
     axes.set_xlabel("concurrent clients")
     axes.set_ylabel("tokens/s, all clients")
-    axes.set_title("specdec serve: throughput")
+    axes.set_title("specdec-exact serve: throughput")
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()

@@ -1,9 +1,9 @@
 """How often the target accepts a suffix lookup's draft, by match length and by whether the matched occurrences agreed.
 
-The priors of the per-cycle choice (specdec/drafters/choice.py: MATCH_BANDS, SPLIT_PRIOR) come from this measurement.
-It decodes prompts of the packaged workloads that the benchmarks do not use (HumanEval, ASDiv and XSum from the 21st
-on) greedily with the target alone, then replays each answer: after every token, a suffix lookup over the earlier
-prompts and answers, the prompt and the answer so far, compared with what the target went on to say.
+The priors of the per-cycle choice (specdec_exact/drafters/choice.py: MATCH_BANDS, SPLIT_PRIOR) come from this
+measurement. It decodes prompts of the packaged workloads that the benchmarks do not use (HumanEval, ASDiv and XSum from
+the 21st on) greedily with the target alone, then replays each answer: after every token, a suffix lookup over the
+earlier prompts and answers, the prompt and the answer so far, compared with what the target went on to say.
 
     .venv/bin/python benchmarks/lookup_acceptance.py --out docs/lookup-acceptance
 
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec import SpeculativeGenerator
-from specdec.bench.runner import machine_info, versions
-from specdec.bench.workloads import load_asdiv, load_humaneval, load_xsum
-from specdec.drafters.choice import MATCH_BANDS
-from specdec.drafters.suffix import SEPARATOR, SuffixDrafter, suffix_draft
+from specdec_exact import SpeculativeGenerator
+from specdec_exact.bench.runner import machine_info, versions
+from specdec_exact.bench.workloads import load_asdiv, load_humaneval, load_xsum
+from specdec_exact.drafters.choice import MATCH_BANDS
+from specdec_exact.drafters.suffix import SEPARATOR, SuffixDrafter, suffix_draft
 
 WORKLOADS = (("code", load_humaneval, 8, 400), ("maths", load_asdiv, 12, 400), ("summary", load_xsum, 5, 700))
 SKIP = 20  # the benchmarks take their prompts from the start of each file

@@ -1,12 +1,12 @@
-"""`python -m benchmarks replicas`: one `specdec serve` against the same app on Ray Serve replicas, under concurrent
-clients.
+"""`python -m benchmarks replicas`: one `specdec-exact serve` against the same app on Ray Serve replicas, under
+concurrent clients.
 
 Configurations (each a server process on a loopback port, started and stopped in turn within every round, the order
 rotated from round to round so that drift in the machine's load falls on all alike):
-  single             specdec serve --threads T               one process, no Ray: what one replica is
-  ray-1              specdec serve --replicas 1 --threads T   the same behind Ray Serve: the overhead Ray adds
-  ray-2              specdec serve --replicas 2 --threads T   two replicas (on one machine they share its cores)
-  single-2x-threads  specdec serve --threads 2T               one process with the cores two replicas would take
+  single             specdec-exact serve --threads T               one process, no Ray: what one replica is
+  ray-1              specdec-exact serve --replicas 1 --threads T   the same behind Ray Serve: the overhead Ray adds
+  ray-2              specdec-exact serve --replicas 2 --threads T   two replicas (on one machine they share its cores)
+  single-2x-threads  specdec-exact serve --threads 2T               one process with the cores two replicas would take
 
 Each configuration answers, with the official openai client, greedy and streamed:
   sequential  --sequential requests one after another (one in flight): the latency a request pays alone
@@ -27,9 +27,9 @@ from pathlib import Path
 
 from benchmarks.harness import (Server, Setup, add_benchmark, ask, client_of, fmt, load_prompts,
                                 measure_and_keep, names, results_header, rotation, specdec_serve)
-from specdec import registry
-from specdec.bench.runner import save
-from specdec.llama_server import ServerProcess
+from specdec_exact import registry
+from specdec_exact.bench.runner import save
+from specdec_exact.llama_server import ServerProcess
 
 SCHEMA = "specdec-bench-replicas/1"
 CONFIGS = ("single", "ray-1", "ray-2", "single-2x-threads")
@@ -48,7 +48,7 @@ def server_of(name: str, target: str, draft: str, threads: int, prompt_cache_mb:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = add_benchmark(
         subparsers, "replicas", run_command, report, out="bench-replicas-results", llama_server=False,
-        help="one specdec serve against Ray Serve replicas of it, under concurrent clients",
+        help="one specdec-exact serve against Ray Serve replicas of it, under concurrent clients",
         description=__doc__.split("\n\n")[0].rstrip(".")
         + ". Writes results.json and report.md (and the servers' logs).")
     parser.add_argument("--target", default=registry.DEFAULT_TARGET, help="(default: %(default)s)")

@@ -1,5 +1,5 @@
-"""`python -m benchmarks servers`: `specdec serve` against upstream llama-server, each a server process driven over
-HTTP.
+"""`python -m benchmarks servers`: `specdec-exact serve` against upstream llama-server, each a server process driven
+over HTTP.
 
 The baseline is what users run: llama-server built from the llama.cpp source that the installed llama-cpp-python
 vendors, without specdec's kernel patch (`make llama-server`), plain, with its n-gram speculation (--spec-default)
@@ -34,8 +34,8 @@ from typing import Callable
 from benchmarks.harness import (KINDS, LLAMA_SERVER_FALLBACK, Server, Setup, add_benchmark, fmt,
                                 llama_server_argv, load_prompts, measure_and_keep, median, names,
                                 results_header, rotation, schedule, serving, setup_of, specdec_serve, table)
-from specdec.bench.runner import kernel_patch_hash, save
-from specdec.llama_server import CONTEXT
+from specdec_exact.bench.runner import kernel_patch_hash, save
+from specdec_exact.llama_server import CONTEXT
 
 REFERENCE = "specdec-target-only"  # plain greedy decoding by specdec: the answers every other server is held to
 ALL_KINDS = "all"
@@ -51,7 +51,7 @@ class Config:
     default: bool = True  # in the default --servers list
 
     def server(self, name: str, setup: Setup) -> Server:
-        # specdec serve gives each answer's token ids (return_token_ids); llama-server only text
+        # specdec-exact serve gives each answer's token ids (return_token_ids); llama-server only text
         return Server(name, self.argv(setup), baseline=self.baseline, token_ids=not self.baseline, env=self.env,
                       fallback=LLAMA_SERVER_FALLBACK if self.baseline else ())
 
@@ -221,7 +221,7 @@ def report(results: dict) -> str:
     s = summarise(results)
     columns = [*s["kinds"], ALL_KINDS]
     settings, machine = results["settings"], results["machine"]
-    lines = ["# specdec serve against llama-server", "",
+    lines = ["# specdec-exact serve against llama-server", "",
              f"Command: `{results['command']}`  ",
              f"Machine: {machine['cpu']}, {machine['cores']} cores, load average at start "
              f"{', '.join(f'{x:.2f}' for x in machine.get('load_average_at_start', []))}  ",
@@ -322,10 +322,10 @@ def _describe_baseline(binary: dict | None) -> str:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = add_benchmark(
         subparsers, "servers", run, report, out="bench-servers-results",
-        help="benchmark specdec serve against upstream llama-server, over HTTP",
+        help="benchmark specdec-exact serve against upstream llama-server, over HTTP",
         description="Start upstream llama-server (plain, --spec-default n-gram speculation, -md draft model; built "
-                    "by `make llama-server`) and specdec serve (default drafter, and --draft none) as subprocesses "
-                    "on loopback ports and send each the same greedy chat prompts of six kinds, one request at a "
+                    "by `make llama-server`) and specdec-exact serve (default drafter, and --draft none) as "
+                    "subprocesses on loopback ports and send each the same greedy chat prompts of six kinds, one request at a "
                     "time, interleaved prompt by prompt. Writes results.json and report.md under --out.")
     parser.add_argument("--servers", default=None,
                         help=f"comma-separated servers to run, of {', '.join(SERVERS)} (default: "

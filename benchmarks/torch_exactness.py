@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from specdec.runtimes import TORCH
-from specdec.runtimes.pytorch import (
+from specdec_exact.runtimes import TORCH
+from specdec_exact.runtimes.pytorch import (
     CALIBRATION_CONTEXTS,
     CALIBRATION_WIDTHS,
     TorchRunner,

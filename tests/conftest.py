@@ -172,7 +172,7 @@ def trusted_torch_widths(monkeypatch):
 
 def trust_every_torch_width(monkeypatch) -> None:
     """What trusted_torch_widths does, for a fixture of a wider scope (with pytest.MonkeyPatch.context())."""
-    from specdec.runtimes import pytorch
+    from specdec_exact.runtimes import pytorch
 
     monkeypatch.setattr(pytorch, "exact_verify_width", lambda model: pytorch.ExactWidth(16, 2**31))
 
@@ -236,18 +236,18 @@ def require(condition: bool, message: str) -> None:
 
 # --- the statistical oracle: a toy target's exact distribution, sampled sequences, chi-square ---------------------
 
-from specdec.adaptive import FixedK  # noqa: E402  (imported here: only the oracle needs the package)
-from specdec.drafters import ModelDrafter  # noqa: E402
-from specdec.engine import speculative_decode  # noqa: E402
-from specdec.sampling import SamplingConfig, make_generator  # noqa: E402
+from specdec_exact.adaptive import FixedK  # noqa: E402  (imported here: only the oracle needs the package)
+from specdec_exact.drafters import ModelDrafter  # noqa: E402
+from specdec_exact.engine import speculative_decode  # noqa: E402
+from specdec_exact.sampling import SamplingConfig, make_generator  # noqa: E402
 
 VOCAB, PROMPT, DRAWS = 6, [1, 4, 2], 20_000
 ALPHA = 1e-3  # the test fails when the chi-square p-value falls below this
 
 
 def reference_probs(logits: torch.Tensor, sampling: SamplingConfig) -> list[float]:
-    """Temperature, then top-k, then top-p, written out plainly: the oracle shares no code with specdec.sampling, so
-    a warping bug there cannot hide in the expected distribution too (tests/test_sampling.py checks it directly)."""
+    """Temperature, then top-k, then top-p, written out plainly: the oracle shares no code with specdec_exact.sampling,
+    so a warping bug there cannot hide in the expected distribution too (tests/test_sampling.py checks it directly)."""
     scaled = [float(x) / sampling.temperature for x in logits]
     ranked = sorted(range(len(scaled)), key=lambda i: scaled[i], reverse=True)
     kept = ranked[: sampling.top_k] if sampling.top_k else ranked
@@ -375,7 +375,7 @@ def prefills_in_passes_of(monkeypatch, width: int):
     """Within: llama.cpp prompts are prefilled in passes of `width` tokens from where they start, not along their
     segments: 1, as decoding writes an answer's cache entries; a prompt's length, as llama-server computes the entries
     its slots reuse (what a cache that reused such entries would hand to later prompts)."""
-    from specdec.runtimes.llamacpp import runner as runner_module
+    from specdec_exact.runtimes.llamacpp import runner as runner_module
 
     def cut_otherwise(tokens, segments, start, width_at, elsewhere):
         return [(begin, min(begin + width, len(tokens)), False) for begin in range(start, len(tokens), width)]
@@ -409,7 +409,7 @@ def conversation_requests(client, opening: str, turns: int, settings: dict, max_
 
 def draft_with(model):
     """A draft-model drafter over a tiny torch model, each request in a runner of its own."""
-    from specdec.runtimes.pytorch import TorchRunner
+    from specdec_exact.runtimes.pytorch import TorchRunner
 
     return ModelDrafter(lambda: TorchRunner(model, model.config.vocab_size))
 

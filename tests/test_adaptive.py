@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from specdec.adaptive import AdaptiveK, FixedK, best_k, expected_tokens, make_k_policy
+from specdec_exact.adaptive import AdaptiveK, FixedK, best_k, expected_tokens, make_k_policy
 
 
 def flat(seconds: float = 1.0):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.adaptive import FixedK
-from specdec.batching import batch_cycle, fused_forward, shape_pass
-from specdec.drafters import NoDrafter
-from specdec.engine import Decoding
-from specdec.runtimes.pytorch import TorchRunner
-from specdec.sampling import SamplingConfig, make_generator
+from specdec_exact.adaptive import FixedK
+from specdec_exact.batching import batch_cycle, fused_forward, shape_pass
+from specdec_exact.drafters import NoDrafter
+from specdec_exact.engine import Decoding
+from specdec_exact.runtimes.pytorch import TorchRunner
+from specdec_exact.sampling import SamplingConfig, make_generator
 
 from conftest import ToyRunner, draft_with, reference_greedy
 

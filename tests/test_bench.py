@@ -1,4 +1,5 @@
-"""`specdec bench`: a smoke run on tiny saved models, the results file, the report, Ctrl-C, workloads, the formulas.
+"""`specdec-exact bench`: a smoke run on tiny saved models, the results file, the report, Ctrl-C, workloads, the
+formulas.
 
 Nothing here asserts a speed: tiny random models on a shared machine say nothing about one. The tiny float32 pair's
 passes over several tokens round unlike one-token passes, so these tests of the benchmark's machinery take every
@@ -12,13 +13,13 @@ import shutil
 
 import pytest
 
-from specdec import llama_server
-from specdec.bench import methods, report, runner
-from specdec.bench.costs import predicted_speedup
-from specdec.metrics import per_token_acceptance
-from specdec.bench.workloads import TASKS, WorkloadMissing, load_prompt_file, packaged_file, select
-from specdec.cli import main
-from specdec.metrics import SpecStats
+from specdec_exact import llama_server
+from specdec_exact.bench import methods, report, runner
+from specdec_exact.bench.costs import predicted_speedup
+from specdec_exact.metrics import per_token_acceptance
+from specdec_exact.bench.workloads import TASKS, WorkloadMissing, load_prompt_file, packaged_file, select
+from specdec_exact.cli import main
+from specdec_exact.metrics import SpecStats
 
 from conftest import require, save_tiny_pair, trust_every_torch_width
 
@@ -100,8 +101,8 @@ def test_report_rerenders_from_the_json_without_models(smoke, tmp_path, monkeypa
     def no_models(*args, **kwargs):
         raise AssertionError("--report must not load a model")
 
-    monkeypatch.setattr("specdec.models.load_causal_lm", no_models)
-    monkeypatch.setattr("specdec.runtimes.llamacpp.LlamaCppRuntime.load", no_models)
+    monkeypatch.setattr("specdec_exact.models.load_causal_lm", no_models)
+    monkeypatch.setattr("specdec_exact.runtimes.llamacpp.LlamaCppRuntime.load", no_models)
     assert main(["bench", "--report", str(tmp_path / "saved.json")]) == 0
     text = (tmp_path / "report.md").read_text()
     assert "## Temperature 0 (greedy)" in text and "## Predicted vs measured speed-up" in text
@@ -222,7 +223,7 @@ def test_prompt_file_is_validated(tmp_path):
 
 
 def test_select_first_fitting_or_longest_fitting():
-    from specdec.bench.workloads import Prompt
+    from specdec_exact.bench.workloads import Prompt
 
     prompts = [Prompt("t", str(i), "x" * n) for i, n in enumerate([5, 50, 9, 30, 7, 12])]
     assert [p.source for p in select(iter(prompts), 2, lambda p: len(p.text), 10)] == ["0", "2"]

@@ -19,10 +19,10 @@ from benchmarks import servers
 from benchmarks.__main__ import main
 from benchmarks.harness import Server
 from benchmarks.servers import REFERENCE, Config
-from specdec import llama_server
-from specdec.llama_server import ServerError, ServerProcess
+from specdec_exact import llama_server
+from specdec_exact.llama_server import ServerError, ServerProcess
 
-# A stand-in for both llama-server and specdec serve: answers /health, /v1/models and greedy chat completions with
+# A stand-in for both llama-server and specdec-exact serve: answers /health, /v1/models and greedy chat completions with
 # "<tag> " followed by the prompt's first words (one token each), token ids when asked, and /v1/specdec/plan when
 # started with a plan. argv: PORT TAG [PLAN]
 FAKE_SERVER = textwrap.dedent('''
@@ -369,8 +369,8 @@ def test_default_binary_path_is_where_the_makefile_builds_it():
 
 
 def test_generate_compares_with_llama_server_through_the_same_client(fake, tmp_path, monkeypatch):
-    """`specdec generate --compare` times upstream llama-server on the prompt (a warm-up first), through a streamed
-    chat request as the benchmarks send; here against the stand-in."""
+    """`specdec-exact generate --compare` times upstream llama-server on the prompt (a warm-up first), through a
+    streamed chat request as the benchmarks send; here against the stand-in."""
     def rate(log: str) -> tuple[float, str]:
         with llama_server.llama_server_session(Path("unused"), "model.gguf", 2, "one two three four five", 4,
                                                chat=True, log=tmp_path / log) as (measure, settings):
@@ -392,7 +392,7 @@ def test_generate_compares_with_llama_server_through_the_same_client(fake, tmp_p
 
 def test_bench_conversation_runs_every_turn_on_every_server_and_reports_its_ratios(fake, tmp_path):
     from benchmarks import conversation
-    from specdec.bench.runner import machine_info
+    from specdec_exact.bench.runner import machine_info
 
     fakes = [Server(name, fake_argv(fake, name), token_ids=name != conversation.LLAMA)
              for name in (conversation.CACHED, conversation.COLD, conversation.LLAMA)]
@@ -456,7 +456,7 @@ def test_gaps_are_the_longest_wait_between_pieces_that_overlaps_the_window():
 
 def test_bench_interleave_sends_the_long_prompt_while_the_answer_streams_and_reports_the_gaps(fake, tmp_path):
     from benchmarks import interleave
-    from specdec.bench.runner import machine_info
+    from specdec_exact.bench.runner import machine_info
 
     fakes = [Server(interleave.SPECDEC, fake_argv(fake, "specdec"), token_ids=True),
              Server(interleave.LLAMA, fake_argv(fake, "llama"), baseline=True)]

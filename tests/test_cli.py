@@ -1,4 +1,4 @@
-"""`specdec generate` end to end on a tiny model saved to disk."""
+"""`specdec-exact generate` end to end on a tiny model saved to disk."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from specdec import SpeculativeGenerator
-from specdec.cli import main
+from specdec_exact import SpeculativeGenerator
+from specdec_exact.cli import main
 
 from conftest import save_tiny_pair
 
@@ -59,8 +59,8 @@ def test_compare_runs_each_configuration_in_turn_and_reports_medians(model_dirs,
     """--compare times specdec and target-only COMPARE_ROUNDS (or --compare-rounds) times each, alternating, and
     reports each one's median (a machine whose speed drifts weighs on both alike), each round as a tenant of its own;
     --json carries the same figures."""
-    from specdec import cli
-    from specdec.generator import SpeculativeGenerator
+    from specdec_exact import cli
+    from specdec_exact.generator import SpeculativeGenerator
 
     order, real = [], SpeculativeGenerator.generate
 
@@ -89,7 +89,7 @@ def test_compare_runs_each_configuration_in_turn_and_reports_medians(model_dirs,
 def test_the_answer_is_printed_as_it_comes_before_the_comparison_runs(model_dirs, capsys, monkeypatch):
     """Without --json the answer streams to stdout chunk by chunk (flushed, so a pipe sees it too) and is whole before
     --compare's timed runs start; its text is the Python API's."""
-    from specdec.generator import SpeculativeGenerator
+    from specdec_exact.generator import SpeculativeGenerator
 
     expected = SpeculativeGenerator(str(model_dirs[0]), None).generate("ab ab", max_new_tokens=8)
     printed, real = [], SpeculativeGenerator.generate
@@ -159,7 +159,7 @@ def test_unknown_model_names_the_choices(capsys, tmp_path):
 
 
 def test_console_script_runs(model_dirs):
-    done = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "--target", str(model_dirs[0]),
+    done = subprocess.run([sys.executable, "-m", "specdec_exact.cli", "generate", "--target", str(model_dirs[0]),
                            "--draft", "none", "--prompt", "ab", "--max-new-tokens", "4", "--json"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

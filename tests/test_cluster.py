@@ -1,7 +1,7 @@
 """specdec on Ray Serve. First the parts on their own (the flags, the routing text, a request answered in-process,
-the front's relay with replicas that fail), then a real Ray cluster on loopback started by `specdec serve --replicas
-2` (SmolLM2-135M with the ngram drafter, 1 thread a replica), asked with the official openai client and compared
-with a single server of the same flags: answers, concurrency, bad input, a replica killed mid-load, SIGTERM."""
+the front's relay with replicas that fail), then a real Ray cluster on loopback started by `specdec-exact serve
+--replicas 2` (SmolLM2-135M with the ngram drafter, 1 thread a replica), asked with the official openai client and
+compared with a single server of the same flags: answers, concurrency, bad input, a replica killed mid-load, SIGTERM."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import conversation_requests, human_eval_prompts, require, serve
-from specdec.cluster.forwarding import RETRIES, ForwardedRequest, Relay, answer, routing_text
-from specdec.cluster.options import cluster_settings
-from specdec.server.command import serve_arguments
+from specdec_exact.cluster.forwarding import RETRIES, ForwardedRequest, Relay, answer, routing_text
+from specdec_exact.cluster.options import cluster_settings
+from specdec_exact.server.command import serve_arguments
 
 MODEL = "smollm2-135m-instruct"
 FLAGS = ["--target", MODEL, "--draft", "ngram", "--threads", "1"]
@@ -55,7 +55,7 @@ def test_the_flags_say_what_to_pass_instead():
 
 
 def test_a_cluster_reachable_beyond_this_machine_needs_rays_token_authentication():
-    from specdec.cluster.command import AUTH_MODE, ray_environment
+    from specdec_exact.cluster.command import AUTH_MODE, ray_environment
 
     def environment(mode, *argv):
         return ray_environment(serve_arguments(["--replicas", "2", *argv]), {AUTH_MODE: mode} if mode else {})
@@ -77,9 +77,9 @@ def test_the_keys_reach_the_cluster_as_digests_and_the_front_refuses_a_request_b
     pytest.importorskip("ray.serve")
     import pickle
 
-    from specdec.cluster import application
-    from specdec.cluster.deployment import front_app
-    from specdec.server.middleware import key_digest
+    from specdec_exact.cluster import application
+    from specdec_exact.cluster.deployment import front_app
+    from specdec_exact.server.middleware import key_digest
 
     keys = tmp_path / "keys"
     keys.write_text("key-from-file\n")
@@ -213,7 +213,7 @@ def test_app_builder_builds_the_application_of_serve_flags_and_refuses_unknown_a
     pytest.importorskip("ray.serve")
     from ray import serve
 
-    from specdec.cluster import app_builder
+    from specdec_exact.cluster import app_builder
 
     app = app_builder({"flags": " ".join(FLAGS), "replicas": "3"})  # as `serve run` passes them: strings
     assert isinstance(app, serve.Application)
@@ -283,7 +283,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from specdec import registry
+    from specdec_exact import registry
 
     require(importlib.util.find_spec("ray") is not None,
             "Ray Serve is not installed: pip install -r requirements-ray.txt")
@@ -291,7 +291,7 @@ def cluster(tmp_path_factory):
     port, metrics_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("ray") / "serve.log"
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *FLAGS, "--replicas", "2",
+        process = subprocess.Popen([sys.executable, "-m", "specdec_exact.cli", "serve", *FLAGS, "--replicas", "2",
                                     "--port", str(port), "--ray-metrics-port", str(metrics_port)],
                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, "SPECDEC_API_KEY": CLUSTER_KEY})
@@ -299,7 +299,7 @@ def cluster(tmp_path_factory):
     try:
         deadline = time.monotonic() + 600  # a first start on a new CPU calibrates the kernels
         while "specdec: serving at" not in log.read_text():
-            assert process.poll() is None, f"specdec serve --replicas ended:\n{log.read_text()[-4000:]}"
+            assert process.poll() is None, f"specdec-exact serve --replicas ended:\n{log.read_text()[-4000:]}"
             assert time.monotonic() < deadline, f"not up after 600 s:\n{log.read_text()[-4000:]}"
             time.sleep(1)
         running.note_processes()
@@ -312,8 +312,8 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single(cluster):
-    """One `specdec serve` of the same flags, in this process: the answers the replicas must give."""
-    from specdec.server.command import app_from_args
+    """One `specdec-exact serve` of the same flags, in this process: the answers the replicas must give."""
+    from specdec_exact.server.command import app_from_args
 
     with serve(app_from_args(serve_arguments(FLAGS))) as url:
         yield url

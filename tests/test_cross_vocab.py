@@ -1,4 +1,4 @@
-"""Drafting across vocabularies (specdec.drafters.cross_vocab): tiny models with two different byte-level BPE
+"""Drafting across vocabularies (specdec_exact.drafters.cross_vocab): tiny models with two different byte-level BPE
 tokenizers over the same alphabet. The sequence-distribution test of the sampling method is in test_statistical.py."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import SpeculativeGenerator
-from specdec.drafters import CrossVocabDrafter
-from specdec.drafters.cross_vocab import DraftText, Vocabularies
-from specdec.vocabulary import IncompatibleVocabulary
-from specdec.sampling import SamplingConfig, make_generator
+from specdec_exact import SpeculativeGenerator
+from specdec_exact.drafters import CrossVocabDrafter
+from specdec_exact.drafters.cross_vocab import DraftText, Vocabularies
+from specdec_exact.vocabulary import IncompatibleVocabulary
+from specdec_exact.sampling import SamplingConfig, make_generator
 
 from conftest import (ALPHABET, DRAFT_MERGES, TARGET_MERGES, byte_bpe_tokenizer, char_tokenizer, successor_model,
                       tiny_model)
@@ -157,11 +157,11 @@ def test_the_choice_reads_a_long_prompt_in_the_drafts_own_tokens_a_pass_per_cycl
     """Under the per-cycle choice (llama.cpp's "auto"), a draft with another vocabulary reads the prompt pass by pass
     in its own tokens (never the target's ids), and the output stays the target's."""
     from conftest import reference_greedy
-    from specdec.adaptive import FixedK
-    from specdec.drafters import SuffixDrafter
-    from specdec.drafters.choice import ChoosingDrafter, Costs
-    from specdec.engine import speculative_decode
-    from specdec.runtimes.pytorch import TorchRunner
+    from specdec_exact.adaptive import FixedK
+    from specdec_exact.drafters import SuffixDrafter
+    from specdec_exact.drafters.choice import ChoosingDrafter, Costs
+    from specdec_exact.engine import speculative_decode
+    from specdec_exact.runtimes.pytorch import TorchRunner
     from test_drafters import PassByPassRunner
 
     target_tokenizer, draft_tokenizer = tokenizers

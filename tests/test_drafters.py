@@ -13,16 +13,16 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from specdec.adaptive import AdaptiveK, FixedK
-from specdec.drafters import (DRAFTERS, Drafter, EarlyExitRunner, HybridDrafter, ModelDrafter, NgramDrafter,
-                              Proposal, SuffixDrafter, TargetInfo, build_drafter, early_exit_drafter, suffix_draft)
-from specdec.drafters.choice import ChoosingDrafter, Costs
-from specdec.drafters.suffix import SEPARATOR
-from specdec.engine import speculative_decode
-from specdec.generator import SpeculativeGenerator
-from specdec.metrics import SpecStats
-from specdec.runtimes.pytorch import TorchRunner
-from specdec.sampling import SamplingConfig, make_generator
+from specdec_exact.adaptive import AdaptiveK, FixedK
+from specdec_exact.drafters import (DRAFTERS, Drafter, EarlyExitRunner, HybridDrafter, ModelDrafter, NgramDrafter,
+                                    Proposal, SuffixDrafter, TargetInfo, build_drafter, early_exit_drafter, suffix_draft)
+from specdec_exact.drafters.choice import ChoosingDrafter, Costs
+from specdec_exact.drafters.suffix import SEPARATOR
+from specdec_exact.engine import speculative_decode
+from specdec_exact.generator import SpeculativeGenerator
+from specdec_exact.metrics import SpecStats
+from specdec_exact.runtimes.pytorch import TorchRunner
+from specdec_exact.sampling import SamplingConfig, make_generator
 
 import conftest
 from conftest import (ALPHA, DRAWS, PROMPT, VOCAB, ToyRunner, char_tokenizer, chi_square_p_value, reference_greedy,
@@ -309,7 +309,7 @@ def test_choosing_drafter_judges_a_lookup_by_its_match():
     different ways (accepted about a fifth of the time, measured) is not worth verifying, one after a long match is;
     and what each band of match lengths and agreement earns stays its own. The negative control, one estimate for
     every lookup, verifies the split one-token match too."""
-    from specdec.drafters import choice
+    from specdec_exact.drafters import choice
 
     moderate = Costs(verify=lambda width: 1.0 + 0.35 * (width - 1), draft_step=0.6)
     context, generator = torch.tensor([[5, 6, 7, 8]]), make_generator(0)
@@ -343,7 +343,7 @@ def test_a_draft_must_beat_plain_decoding_by_a_margin_and_lookups_not_verified_s
     its band: the token the plain step then produced was the lookup's, so the band's estimate rises and the next
     lookup is verified; where the plain steps produce other tokens it falls. Negative control: a chooser that does not
     learn from them never verifies the lookup."""
-    from specdec.drafters import choice
+    from specdec_exact.drafters import choice
 
     zen4 = Costs(verify=lambda width: 1.0 + 0.36 * (width - 1), draft_step=0.7)
     generator = make_generator(0)
@@ -378,7 +378,7 @@ def test_the_choice_learns_what_wider_passes_cost_from_the_passes_it_is_served()
     calibration toward what the passes took, relative to the one-token passes around them). Forks share what they
     learn; a seeded sample's fork (by_calibration_alone) judges by the calibration alone. Negative control: with the
     calibrated costs alone it keeps drafting."""
-    from specdec.drafters.choice import ServedPassCosts
+    from specdec_exact.drafters.choice import ServedPassCosts
 
     def calibrated(width: int) -> float:
         return 1.0 + 0.2 * (width - 1)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.adaptive import FixedK
-from specdec.drafters import NoDrafter
-from specdec.engine import Decoding, speculative_decode
-from specdec.metrics import SpecStats
-from specdec.runtimes.pytorch import TorchRunner
-from specdec.sampling import SamplingConfig, make_generator
+from specdec_exact.adaptive import FixedK
+from specdec_exact.drafters import NoDrafter
+from specdec_exact.engine import Decoding, speculative_decode
+from specdec_exact.metrics import SpecStats
+from specdec_exact.runtimes.pytorch import TorchRunner
+from specdec_exact.sampling import SamplingConfig, make_generator
 
 from conftest import ToyRunner, draft_with, reference_greedy, tiny_model
 
@@ -108,7 +108,7 @@ def test_no_token_asked_for_evaluates_nothing():
 
 def test_a_failed_verification_rolls_the_target_back_to_before_its_pass(models, monkeypatch):
     """Whatever fails between the pass and the commit, the target's cache holds what it held before the pass."""
-    import specdec.engine as engine
+    import specdec_exact.engine as engine
 
     target = TorchRunner(models["target"], models["target"].config.vocab_size)
     decoding = Decoding(target, draft_with(models["self"]), torch.tensor([PROMPTS[1]]), k=FixedK(3),

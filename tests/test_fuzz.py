@@ -12,8 +12,8 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from conftest import char_tokenizer, close_draft, serve, tiny_model
-from specdec import SpeculativeGenerator
-from specdec.server import create_app
+from specdec_exact import SpeculativeGenerator
+from specdec_exact.server import create_app
 
 MODEL = "tiny-qwen2"
 KEY = "fuzz-key"

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from specdec import SpeculativeGenerator
-from specdec.vocabulary import IncompatibleVocabulary
-from specdec.runtimes.pytorch import RollbackUnsupported, TorchRunner
+from specdec_exact import SpeculativeGenerator
+from specdec_exact.vocabulary import IncompatibleVocabulary
+from specdec_exact.runtimes.pytorch import RollbackUnsupported, TorchRunner
 
 from conftest import char_tokenizer, close_draft, tiny_model
 
@@ -66,7 +66,7 @@ def test_a_seeded_sample_does_not_depend_on_what_the_generator_served_before(pai
     a seeded sample drafts with a drafter of its own, so the same prompt and seed give the same sample after other
     requests (and a greedy request still uses the history). Negative control: sharing the drafter's history, the
     samples differ."""
-    from specdec.requests import Request
+    from specdec_exact.requests import Request
 
     target, _ = pair
     gen = SpeculativeGenerator(target, "suffix", k=4, tokenizer=tokenizer)
@@ -194,7 +194,7 @@ def test_quantizing_a_passed_in_model_is_refused(pair):
 
 
 def one_at_a_time_vs_together(model, ids):
-    from specdec.runtimes.pytorch import TorchRunner
+    from specdec_exact.runtimes.pytorch import TorchRunner
 
     together = TorchRunner(model, VOCAB).forward(ids)[0]
     one = TorchRunner(model, VOCAB)
@@ -209,7 +209,7 @@ def test_int8_passes_reproduce_one_token_passes_bit_for_bit_and_torch_dynamic_in
 
     from torch.ao.quantization import quantize_dynamic
 
-    from specdec.models import quantize_int8
+    from specdec_exact.models import quantize_int8
 
     ids = torch.tensor([[5, 9, 2, 7, 11, 3, 8, 1, 4]])
     for arch in ("llama", "qwen2"):
@@ -249,7 +249,7 @@ CYCLE = "abcdefg 123\n"
 @pytest.fixture(scope="module")
 def cycling(tokenizer):
     """Generators of every drafter over a target whose output repeats, so every drafter gets long accepted runs."""
-    from specdec.drafters import HybridDrafter, NgramDrafter, TargetInfo, model_drafter
+    from specdec_exact.drafters import HybridDrafter, NgramDrafter, TargetInfo, model_drafter
 
     from conftest import cycling_model
 
@@ -321,11 +321,11 @@ class JitteryClock:
 
 
 def test_the_same_seed_gives_the_same_sample_under_k_auto(gen, monkeypatch):
-    import specdec.batching
-    import specdec.engine
+    import specdec_exact.batching
+    import specdec_exact.engine
 
-    monkeypatch.setattr(specdec.engine, "time", JitteryClock())
-    monkeypatch.setattr(specdec.batching, "time", JitteryClock())
+    monkeypatch.setattr(specdec_exact.engine, "time", JitteryClock())
+    monkeypatch.setattr(specdec_exact.batching, "time", JitteryClock())
     settings = dict(max_new_tokens=40, temperature=0.8, seed=3, k="auto")
     runs = {tuple(gen.generate("abc", **settings).token_ids) for _ in range(6)}
     assert len(runs) == 1
@@ -333,13 +333,13 @@ def test_the_same_seed_gives_the_same_sample_under_k_auto(gen, monkeypatch):
 
 def test_negative_control_a_clock_driven_k_changes_the_sample(gen, monkeypatch):
     """What the test above guards against: k chosen from wall-clock times consumes the random stream differently."""
-    import specdec.batching
-    import specdec.engine
-    from specdec.adaptive import make_k_policy
+    import specdec_exact.batching
+    import specdec_exact.engine
+    from specdec_exact.adaptive import make_k_policy
 
-    monkeypatch.setattr(specdec.engine, "time", JitteryClock())
-    monkeypatch.setattr(specdec.batching, "time", JitteryClock())
-    monkeypatch.setattr(specdec.batching, "make_k_policy", lambda k, timed, **priors: make_k_policy(k, **priors))
+    monkeypatch.setattr(specdec_exact.engine, "time", JitteryClock())
+    monkeypatch.setattr(specdec_exact.batching, "time", JitteryClock())
+    monkeypatch.setattr(specdec_exact.batching, "make_k_policy", lambda k, timed, **priors: make_k_policy(k, **priors))
     settings = dict(max_new_tokens=40, temperature=0.8, seed=3, k="auto")
     runs = {tuple(gen.generate("abc", **settings).token_ids) for _ in range(6)}
     assert len(runs) > 1

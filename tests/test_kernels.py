@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from conftest import require
-from specdec.runtimes.llamacpp import kernels
-from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, MAX_WIDTH, MULTI_COLUMN, WIDE, Kernel, KernelPlan
+from specdec_exact.runtimes.llamacpp import kernels
+from specdec_exact.runtimes.llamacpp.kernels import LLAMA_CPP, MAX_WIDTH, MULTI_COLUMN, WIDE, Kernel, KernelPlan
 
 NATIVE = Path(__file__).resolve().parent.parent / "native"
 
@@ -22,7 +22,7 @@ NATIVE = Path(__file__).resolve().parent.parent / "native"
 def kernel_test(tmp_path_factory) -> Path:
     """native/test-kernel-plan.c compiled against the installed llama.cpp libraries and the headers that the wheel
     build keeps beside the wheel (the Makefile names their folder in SPECDEC_GGML_INCLUDE)."""
-    from specdec.runtimes import llamacpp
+    from specdec_exact.runtimes import llamacpp
 
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the multi-column kernels are x86 code; elsewhere every plan is llama.cpp's own")
@@ -94,7 +94,7 @@ def test_a_plan_describes_itself_in_runs_of_widths_and_survives_json():
 
 
 def test_llama_cpps_own_kernels_are_always_a_candidate_and_the_only_one_when_switched_off(monkeypatch):
-    from specdec.runtimes import llamacpp
+    from specdec_exact.runtimes import llamacpp
 
     require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
     monkeypatch.delenv("GGML_CPU_MULTI_COLUMN", raising=False)
@@ -112,7 +112,7 @@ def test_llama_cpps_own_kernels_are_always_a_candidate_and_the_only_one_when_swi
 def test_a_calibration_made_with_the_patchs_kernels_is_never_read_with_them_off(tmp_path, monkeypatch):
     """GGML_CPU_MULTI_COLUMN=0 (llama.cpp's own kernels) once read a calibration made with the patch on, which could
     verify wider than llama.cpp's own kernels are exact: the switch is part of every calibration's cache key."""
-    from specdec.runtimes import llamacpp
+    from specdec_exact.runtimes import llamacpp
 
     require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
@@ -140,7 +140,7 @@ def test_the_plan_is_set_in_the_library_that_llama_cpp_loaded():
     """The wheel holds libggml-cpu three times, as copies: a plan set in a copy that llama.cpp did not load would
     change nothing (the calibration once timed seven "candidates" that were one kernel). The library the plan goes to
     is the one mapped into the process before, and opening it maps nothing new."""
-    from specdec.runtimes import llamacpp
+    from specdec_exact.runtimes import llamacpp
 
     require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
     if not Path("/proc/self/maps").exists():
@@ -158,7 +158,7 @@ def test_the_plan_is_set_in_the_library_that_llama_cpp_loaded():
 _CALIBRATE_SLOWLY = """
 import json, sys, time
 from pathlib import Path
-from specdec.runtimes import llamacpp
+from specdec_exact.runtimes import llamacpp
 
 def measure():
     Path(sys.argv[2]).write_text("measuring")  # the parent starts its own calibration now
@@ -175,7 +175,7 @@ def test_a_second_process_waits_for_a_calibration_in_progress_and_reads_its_resu
     import sys
     import time
 
-    from specdec.runtimes import llamacpp
+    from specdec_exact.runtimes import llamacpp
 
     require(llamacpp.installed(), f"llama-cpp-python is not installed: run `make setup` ({llamacpp.PIN})")
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))

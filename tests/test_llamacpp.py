@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from conftest import require
-from specdec import SpeculativeGenerator, registry
-from specdec import generator as generator_module
-from specdec.runtimes import LLAMA_CPP, TORCH, llamacpp, pick_runtime, runtime_of
+from specdec_exact import SpeculativeGenerator, registry
+from specdec_exact import generator as generator_module
+from specdec_exact.runtimes import LLAMA_CPP, TORCH, llamacpp, pick_runtime, runtime_of
 
 pytestmark = pytest.mark.real_model  # a real GGUF file on llama.cpp's kernels: not part of `make test-fast`
 
@@ -198,7 +198,7 @@ def test_a_fused_pass_costs_a_sub_pass_per_run_of_consecutive_sequences_and_step
     """llama.cpp evaluates a pass over separate sequences in sub-passes over runs of consecutive sequence ids, taking
     equally many tokens from each: [1, 3, 3, 1] over sequences 0-3 runs as 4 x 1 tokens, then 2 x 2."""
     target, _ = model
-    from specdec.runtimes import PassCosts
+    from specdec_exact.runtimes import PassCosts
 
     costs = PassCosts({w: 0.01 * (1 + 0.25 * (w - 1)) for w in range(1, 17)})
     monkeypatch.setattr(type(target), "costs", property(lambda self: costs))
@@ -227,7 +227,7 @@ def test_a_fused_pass_in_any_order_of_slots_costs_as_one_in_order(model):
         for runner in runners:
             runner.forward(torch.tensor([[1, 2, 3]]), last_only=True)
         sub_passes = []
-        from specdec.runtimes.llamacpp import context
+        from specdec_exact.runtimes.llamacpp import context
 
         original = context.evaluate
         with pytest.MonkeyPatch.context() as patch:
@@ -286,7 +286,7 @@ def test_long_prompt_greedy_speculation_equals_target_only(model, baseline):
 def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(model, baseline, gguf_path, length):
     """Plain decoding as llama.cpp does it (prompt in one prefill, first token from its last row, then one token a
     pass), with the same settings (cache type, flash attention, weight layouts): the same tokens."""
-    from specdec.runtimes.llamacpp.peer import LlamaCppPythonPeer
+    from specdec_exact.runtimes.llamacpp.peer import LlamaCppPythonPeer
 
     target, tokenizer = model
     prompt = long_text_ids(tokenizer, length)
@@ -380,8 +380,8 @@ def test_bad_inputs_say_what_to_do(model, tmp_path):
 def test_bench_smoke_on_llama_cpp_runs_ours_and_llama_cpp_pythons_own_loops(gguf_path, tmp_path):
     import json
 
-    from specdec.bench import runner
-    from specdec.cli import main
+    from specdec_exact.bench import runner
+    from specdec_exact.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPTS[0]}) + "\n")
@@ -404,7 +404,7 @@ def test_bench_smoke_on_llama_cpp_runs_ours_and_llama_cpp_pythons_own_loops(gguf
 def test_cli_generate_on_llama_cpp_compares_with_target_only(gguf_path, capsys):
     import json
 
-    from specdec.cli import main
+    from specdec_exact.cli import main
 
     assert main(["generate", "--runtime", "llama.cpp", "--threads", "1", "--target", gguf_path, "--draft", "ngram",
                  "--prompt", PROMPTS[1], "--max-new-tokens", "12", "--json", "--compare"]) == 0
@@ -419,11 +419,11 @@ def test_cli_generate_on_llama_cpp_compares_with_target_only(gguf_path, capsys):
 
 
 def test_cli_calibrate_measures_what_a_load_needs_and_says_what_it_found(gguf_path, model, capsys):
-    """`specdec calibrate` (for images and clusters) loads the models as generate does and prints the kernel plans,
-    the pass costs and the exact width, here read from the cache the module's model filled."""
+    """`specdec-exact calibrate` (for images and clusters) loads the models as generate does and prints the kernel
+    plans, the pass costs and the exact width, here read from the cache the module's model filled."""
     import json
 
-    from specdec.cli import main
+    from specdec_exact.cli import main
 
     target, _ = model
     assert main(["calibrate", "--runtime", "llama.cpp", "--threads", "1", "--target", gguf_path, "--draft", "none",
@@ -445,7 +445,7 @@ def test_server_on_llama_cpp_answers_concurrent_openai_clients_like_generate(mod
 
     import openai
 
-    from specdec.server import create_app
+    from specdec_exact.server import create_app
     from conftest import serve
 
     target, tokenizer = model
@@ -464,7 +464,7 @@ def test_server_on_llama_cpp_answers_concurrent_openai_clients_like_generate(mod
 def test_without_llama_cpp_python_the_error_says_how_to_get_it(gguf_path, monkeypatch):
     import sys
 
-    from specdec.runtimes.llamacpp import LlamaCppUnavailable
+    from specdec_exact.runtimes.llamacpp import LlamaCppUnavailable
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` fail
     with pytest.raises(LlamaCppUnavailable, match="make setup"):
@@ -477,7 +477,7 @@ def test_a_crashed_llama_cpp_python_worker_is_restarted_without_repacked_weights
     import os
     import signal
 
-    from specdec.runtimes.llamacpp.peer import LlamaCppPythonPeer, PeerCrashed
+    from specdec_exact.runtimes.llamacpp.peer import LlamaCppPythonPeer, PeerCrashed
 
     _, tokenizer = model
     prompt = tokenizer(PROMPTS[1])["input_ids"]
@@ -500,7 +500,7 @@ def test_auto_with_a_draft_model_chooses_per_cycle_and_a_seed_fixes_the_sample(m
                                                                                monkeypatch):
     """k="auto" with a draft model on llama.cpp: the per-cycle choice between suffix lookup, the model and plain
     steps. Greedy output is the target's; a seeded sample repeats exactly (the choice reads no clock)."""
-    from specdec.drafters.choice import ChoosingDrafter
+    from specdec_exact.drafters.choice import ChoosingDrafter
 
     target, tokenizer = model
     monkeypatch.setattr(generator_module, "draft_can_pay", lambda *args: True)  # (this draft is the target itself)
@@ -521,8 +521,8 @@ def test_a_draft_model_that_cannot_pay_on_this_machine_is_left_out_at_load(model
     curve like those measured on an AMD EPYC Zen 4 (family 25 model 17, 2 threads: the 0.5B draft's step 0.62-0.83
     of the 1.5B target's, V(2) 1.34-1.44; docs/first-start-zen4-setup, docs/servers-zen4-margin-a) and on a draft
     ten times cheaper than the target over a nearly flat verify (which pays): draft_can_pay."""
-    from specdec.drafters.choice import ChoosingDrafter
-    from specdec.generator import draft_can_pay
+    from specdec_exact.drafters.choice import ChoosingDrafter
+    from specdec_exact.generator import draft_can_pay
 
     zen4 = dict(zip(range(1, 17), (1, 1.36, 1.68, 1.92, 2.21, 2.45, 2.75, 3.07, 3.85, 4.07, 4.34, 4.61, 4.96, 5.11,
                                    5.39, 5.6)))
@@ -539,7 +539,7 @@ def test_a_draft_model_that_cannot_pay_on_this_machine_is_left_out_at_load(model
     out = gen.generate(prompt, max_new_tokens=24)
     assert out.token_ids == baseline.generate(prompt, max_new_tokens=24).token_ids
     assert set(out.stats.by_drafter) <= {"suffix", "none"}
-    # a fixed k keeps the model the user asked for, and so does keep_draft (specdec bench, which measures it)
+    # a fixed k keeps the model the user asked for, and so does keep_draft (specdec-exact bench, which measures it)
     assert SpeculativeGenerator(target, gguf_path, k=2, tokenizer=tokenizer).draft is not None
     kept = SpeculativeGenerator(target, gguf_path, tokenizer=tokenizer, keep_draft=True)
     assert kept.draft is not None and kept.draft_dropped is None and kept.drafter.model_drafter is not None
@@ -641,8 +641,8 @@ def test_a_long_prompt_is_read_a_pass_per_step_beside_the_batch_and_can_leave_mi
     prefill model and here), while the request already in the batch gets a chunk every step; both answers equal each
     request alone. Dropped after a pass, a request leaves nothing behind: its slot and the prefill context are free,
     and the same prompt read again gives the same answer."""
-    from specdec.batching import Batch
-    from specdec.runtimes.llamacpp.runner import plan_passes
+    from specdec_exact.batching import Batch
+    from specdec_exact.runtimes.llamacpp.runner import plan_passes
 
     target, tokenizer = model
     two = llamacpp.LlamaCppModel(gguf_path, threads=1, repack=target.repack, prefill_repack=target.repack,
@@ -696,10 +696,10 @@ def test_the_draft_model_reads_a_long_prompt_a_pass_per_step_beside_the_batch(gg
     step."""
     import random
 
-    from specdec.batching import Batch
-    from specdec.drafters import ModelDrafter
-    from specdec.drafters.choice import Costs
-    from specdec.runtimes.llamacpp import runner as runner_module
+    from specdec_exact.batching import Batch
+    from specdec_exact.drafters import ModelDrafter
+    from specdec_exact.drafters.choice import Costs
+    from specdec_exact.runtimes.llamacpp import runner as runner_module
 
     target, tokenizer = model
     monkeypatch.setattr(generator_module, "draft_can_pay", lambda *args: True)  # (this draft is the target itself)
@@ -823,7 +823,7 @@ def test_negative_control_the_batch_calibration_catches_an_inexact_shape_and_an_
 
 def test_where_prompts_prefilled_in_slots_are_not_exact_a_batch_serves_one_request_at_a_time(model, baseline,
                                                                                             monkeypatch):
-    from specdec.batching import Batch
+    from specdec_exact.batching import Batch
 
     target, tokenizer = model
     monkeypatch.setattr(llamacpp.LlamaCppModel, "prefills_in_slots_exactly", False)
@@ -856,7 +856,7 @@ def test_generate_many_equals_generate_for_every_prompt_and_frees_its_slots(mode
 def test_a_batch_wider_than_the_default_has_its_slots_in_both_models_from_the_start(gguf_path, baseline):
     """Batch() makes the batch contexts at once (a server's first request does not wait for them), with a slot per
     request for the target and for the draft model's drafters too, which would otherwise run out past the default."""
-    from specdec.batching import Batch
+    from specdec_exact.batching import Batch
 
     target, tokenizer = llamacpp.load(gguf_path, threads=1)  # its own: the shared one keeps the default slots
     gen = SpeculativeGenerator(target, gguf_path, k=2, tokenizer=tokenizer)
@@ -890,7 +890,7 @@ def test_benchmarks_kernels_shows_and_writes_the_plan_and_every_candidates_times
     import json
 
     from benchmarks.__main__ import main
-    from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, MAX_WIDTH
+    from specdec_exact.runtimes.llamacpp.kernels import LLAMA_CPP, MAX_WIDTH
 
     out = tmp_path / "plan.json"
     assert main(["kernels", "--target", gguf_path, "--threads", "1", "--out", str(out)]) == 0
@@ -949,7 +949,7 @@ def test_two_threads_with_different_kernel_plans_each_pass_under_its_own(gguf_pa
     import threading
     import time
 
-    from specdec.runtimes.llamacpp import context, kernels
+    from specdec_exact.runtimes.llamacpp import context, kernels
 
     plans = [kernels.KernelPlan.uniform(kernel) for kernel in kernels.candidates()[:2]]
     if len(plans) < 2:
@@ -1001,8 +1001,8 @@ def test_another_ggml_on_ld_library_path_is_not_loaded_in_place_of_the_wheels_ow
     other.mkdir()
     for name in llamacpp.library.OWN_GGML:
         subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(other / name), str(source)], check=True)
-    code = ("import sys, torch; from specdec.runtimes.llamacpp import LlamaCppModel; "
-            "from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, KernelPlan, loaded_library; "
+    code = ("import sys, torch; from specdec_exact.runtimes.llamacpp import LlamaCppModel; "
+            "from specdec_exact.runtimes.llamacpp.kernels import LLAMA_CPP, KernelPlan, loaded_library; "
             "model = LlamaCppModel(sys.argv[1], threads=1, repack=False, prefill_repack=None); "
             "model._kernel_plan = KernelPlan.uniform(LLAMA_CPP); "  # (no calibration: a pass is what is asked)
             "model.pool().take(model.n_vocab).forward(torch.tensor([[1, 2, 3]])); print(loaded_library()._name)")
@@ -1106,7 +1106,7 @@ def test_an_evaluation_harness_gets_the_prompts_logprobs_through_the_official_cl
     import openai
 
     from conftest import serve
-    from specdec.server import create_app
+    from specdec_exact.server import create_app
 
     context, continuation = "The capital of France is", " Paris"
     ids = baseline.encode(context + continuation)
@@ -1124,7 +1124,7 @@ def test_an_evaluation_harness_gets_the_prompts_logprobs_through_the_official_cl
 def test_penalties_under_speculation_answer_as_target_only_decoding_alone_and_batched(model, baseline):
     """A repetitive prompt whose lookups draft repeats that the frequency penalty turns the target from: greedy
     answers with the penalties equal target-only decoding's with them, alone and in a fused batch."""
-    from specdec.adjust import LogitAdjust
+    from specdec_exact.adjust import LogitAdjust
 
     target, tokenizer = model
     prompt, adjust = "red, green, blue, yellow, " * 6, LogitAdjust(presence=0.3, frequency=0.4)
@@ -1151,8 +1151,8 @@ def test_json_schema_output_under_speculation_is_target_only_constrained_decodin
     output validates against the schema. Negative control: rows of a pass masked as its first row break it."""
     import jsonschema
 
-    from specdec import grammar
-    from specdec.grammar import Grammar
+    from specdec_exact import grammar
+    from specdec_exact.grammar import Grammar
 
     target, tokenizer = model
     schema = Grammar.json_schema(PERSON, "person")
@@ -1181,8 +1181,8 @@ def test_response_format_through_the_official_client_answers_valid_json_streamed
     import openai
 
     from conftest import serve
-    from specdec.grammar import Grammar
-    from specdec.server import create_app
+    from specdec_exact.grammar import Grammar
+    from specdec_exact.server import create_app
 
     target, tokenizer = model
     gen = SpeculativeGenerator(target, "suffix", k=4, tokenizer=tokenizer, prompt_cache=0)
@@ -1241,8 +1241,8 @@ def test_tool_calls_through_the_official_client_in_an_agent_loop(model):
     import openai
 
     from conftest import serve
-    from specdec.server import create_app
-    from specdec.tools import HERMES
+    from specdec_exact.server import create_app
+    from specdec_exact.tools import HERMES
 
     target, tokenizer = model
     tools_tokenizer = copy.deepcopy(tokenizer)
@@ -1297,7 +1297,7 @@ def test_tool_calls_through_the_official_client_in_an_agent_loop(model):
 
 def test_a_failed_load_or_pass_says_what_llama_cpp_reported(model, tmp_path):
     """llama.cpp reports its reasons only through its log; a failure says them, not only that it failed."""
-    from specdec.runtimes.llamacpp import context
+    from specdec_exact.runtimes.llamacpp import context
 
     target, _ = model
     not_a_model = tmp_path / "notes.gguf"
@@ -1324,7 +1324,7 @@ def test_a_calibration_leaves_no_openmp_threads_behind_on_the_thread_that_asked(
     import threading
     import time
 
-    from specdec.runtimes.llamacpp import calibration, kernels
+    from specdec_exact.runtimes.llamacpp import calibration, kernels
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))  # nothing cached: the calibration measures
     if not own_thread:
@@ -1373,8 +1373,8 @@ def test_a_context_takes_memory_for_the_cells_it_holds_not_for_its_size(gguf_pat
     of 8 sequences held its whole KV cache from the start (~6 GB of the default pair at 17,664 tokens each). specdec's
     patch hands the cleared pages back to the kernel instead: an 8 x 8,192-token context takes next to nothing until
     cells are written. The control: writing 1,024 more cells of one sequence takes at least their pages."""
-    from specdec.runtimes.llamacpp.calibration import probe_tokens
-    from specdec.runtimes.llamacpp.context import SlotPool
+    from specdec_exact.runtimes.llamacpp.calibration import probe_tokens
+    from specdec_exact.runtimes.llamacpp.context import SlotPool
 
     def anonymous_bytes() -> int:
         line = next(line for line in open("/proc/self/status") if line.startswith("RssAnon:"))

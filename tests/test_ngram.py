@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.drafters import DRAFTERS, NgramDrafter, find_continuation
-from specdec.sampling import SamplingConfig, make_generator
+from specdec_exact.drafters import DRAFTERS, NgramDrafter, find_continuation
+from specdec_exact.sampling import SamplingConfig, make_generator
 
 # (context, k, max_ngram, min_ngram) -> expected proposal
 CASES = {

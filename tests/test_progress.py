@@ -1,4 +1,4 @@
-"""specdec.progress: long steps logged with how far they are and their ETA, and readable while they run."""
+"""specdec_exact.progress: long steps logged with how far they are and their ETA, and readable while they run."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from specdec import progress
+from specdec_exact import progress
 
 
 def messages(caplog) -> list[str]:

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from conftest import chat, conversation_prompts, conversation_requests, prefill_through, require, serve
-from specdec import SpeculativeGenerator, registry
-from specdec.prompt_cache import PromptCache
-from specdec.runtimes import llamacpp
-from specdec.runtimes.llamacpp.context import prefill_bounds, prefill_segments
+from specdec_exact import SpeculativeGenerator, registry
+from specdec_exact.prompt_cache import PromptCache
+from specdec_exact.runtimes import llamacpp
+from specdec_exact.runtimes.llamacpp.context import prefill_bounds, prefill_segments
 
 B = 4  # segment length of most pure tests
 
@@ -183,9 +183,9 @@ def test_an_answer_ends_a_segment_where_the_next_turn_cuts_whatever_its_length()
 
 
 def test_a_segment_runs_in_the_prefill_model_from_the_measured_size_and_here_in_pieces_below_it():
-    from specdec.runtimes.llamacpp.calibration import split_size
-    from specdec.runtimes.llamacpp.kernels import MAX_WIDTH
-    from specdec.runtimes.llamacpp.runner import PREFILL_MIN_TOKENS, plan_passes
+    from specdec_exact.runtimes.llamacpp.calibration import split_size
+    from specdec_exact.runtimes.llamacpp.kernels import MAX_WIDTH
+    from specdec_exact.runtimes.llamacpp.runner import PREFILL_MIN_TOKENS, plan_passes
 
     segments = [(20, False), (60, False), (200, False), (203, True)]  # 20, 40 and 140 tokens, then an answer's 3
     passes = plan_passes(list(range(203)), segments, 0, lambda position: 2, 45)
@@ -252,7 +252,7 @@ def test_answers_with_hits_equal_answers_without_the_cache_greedy_and_seeded(smo
 
 
 def test_a_prefill_that_fails_half_way_caches_nothing_and_leaves_the_pool_usable(smollm, monkeypatch):
-    from specdec.runtimes.llamacpp import runner
+    from specdec_exact.runtimes.llamacpp import runner
 
     model, tokenizer = smollm
     tokens = conversation_prompts(tokenizer, 5)[-1]
@@ -276,8 +276,8 @@ def test_a_prefill_that_fails_half_way_caches_nothing_and_leaves_the_pool_usable
 
 
 def test_a_state_cut_into_spans_and_joined_restores_the_sequence(smollm):
-    from specdec.runtimes.llamacpp import kv_blocks
-    from specdec.runtimes.llamacpp.context import SlotPool
+    from specdec_exact.runtimes.llamacpp import kv_blocks
+    from specdec_exact.runtimes.llamacpp.context import SlotPool
 
     model, tokenizer = smollm
     tokens = conversation_prompts(tokenizer, 5)[-1][:2 * llamacpp.PREFILL_BLOCK + 10]
@@ -319,7 +319,7 @@ def replayed_on_a_server_without_the_cache(model, tokenizer, sent, settings) -> 
     """Each request of `sent` again, on a new server over the same model with no prompt cache -> its answers."""
     import openai
 
-    from specdec.server.app import create_app
+    from specdec_exact.server.app import create_app
 
     gen = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=0)
     with serve(create_app(gen, "smollm")) as url:
@@ -337,7 +337,7 @@ def test_a_conversation_and_an_agent_loop_answer_as_a_server_without_the_cache_d
     import httpx
     import openai
 
-    from specdec.server.app import create_app
+    from specdec_exact.server.app import create_app
 
     model, tokenizer = smollm
     settings = SETTINGS[sampling]
@@ -362,7 +362,7 @@ def test_eight_concurrent_conversations_over_a_budget_that_evicts_answer_as_with
     import openai
     from concurrent.futures import ThreadPoolExecutor
 
-    from specdec.server.app import create_app
+    from specdec_exact.server.app import create_app
 
     model, tokenizer = smollm
     fused, forward_many = [], llamacpp.SlotPool.forward_many
@@ -404,7 +404,7 @@ def test_streamed_text_equals_the_whole_decode_and_each_step_decodes_only_a_wind
     cut out; and a step decodes a few tokens, not the whole output again (which made long answers quadratic)."""
     import random
 
-    from specdec.output import DECODE_WINDOW, Detokenizer
+    from specdec_exact.output import DECODE_WINDOW, Detokenizer
 
     _, tokenizer = smollm
     rng = random.Random(5)
@@ -441,7 +441,7 @@ def test_each_keys_requests_reuse_only_that_keys_cached_prompts_unless_shared(sm
     answers are the same either way. The negative control, --share-across-keys, reuses it for both."""
     import openai
 
-    from specdec.server.app import create_app
+    from specdec_exact.server.app import create_app
 
     model, tokenizer = smollm
     gen = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=64)

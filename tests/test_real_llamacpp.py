@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from specdec import SpeculativeGenerator, registry
-from specdec.runtimes import LLAMA_CPP, llamacpp, runtime_of
+from specdec_exact import SpeculativeGenerator, registry
+from specdec_exact.runtimes import LLAMA_CPP, llamacpp, runtime_of
 from conftest import (chat, conversation_prompts, conversation_requests, human_eval_prompts,
                       prefill_through, prefills_in_passes_of, serve)
 
@@ -23,10 +23,10 @@ CROSS_DRAFT = "smollm2-135m-instruct"  # a draft with a tokenizer of its own
 
 @pytest.fixture(scope="module")
 def pair():
-    from specdec.runtimes import llamacpp
+    from specdec_exact.runtimes import llamacpp
 
     problems = [] if llamacpp.installed() else [f"llama-cpp-python is not installed: run `make setup`"]
-    problems += [f"{name} is not installed: run `specdec models pull {name} --runtime llama.cpp`"
+    problems += [f"{name} is not installed: run `specdec-exact models pull {name} --runtime llama.cpp`"
                  for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT) if not registry.gguf_ready(name)]
     if problems:
         if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
@@ -51,7 +51,7 @@ def test_every_drafter_keeps_greedy_output_identical(pair, references, drafter):
     elif drafter == "auto":
         gen = SpeculativeGenerator(speculative.target, speculative.drafter, k="auto", tokenizer=speculative.tokenizer)
     elif drafter == "hybrid":
-        from specdec.drafters import HybridDrafter, NgramDrafter
+        from specdec_exact.drafters import HybridDrafter, NgramDrafter
 
         gen = SpeculativeGenerator(speculative.target, HybridDrafter(NgramDrafter(), speculative.drafter), k=2,
                                    tokenizer=speculative.tokenizer)
@@ -71,7 +71,7 @@ def test_a_draft_with_another_tokenizer_keeps_greedy_output_identical(pair, refe
     """SmolLM2-135M (its own 49,152-token vocabulary) drafting for the Qwen target, across vocabularies."""
     speculative, _ = pair
     if not registry.gguf_ready(CROSS_DRAFT):
-        message = f"{CROSS_DRAFT} is not installed: run `specdec models pull {CROSS_DRAFT} --runtime llama.cpp`"
+        message = f"{CROSS_DRAFT} is not installed: run `specdec-exact models pull {CROSS_DRAFT} --runtime llama.cpp`"
         if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
             pytest.fail(message)
         pytest.skip(message)
@@ -134,8 +134,8 @@ def test_verify_passes_at_a_long_context_equal_one_token_passes(pair, long_promp
 def test_target_only_greedy_equals_llama_cpp_pythons_own_loop(pair, long_prompt):
     """The same tokens as llama-cpp-python's `Llama.generate` with the same settings (cache type, flash attention,
     weight layouts, prompts evaluated in the same layout as the rest), short and long prompts."""
-    from specdec.runtimes import llamacpp
-    from specdec.runtimes.llamacpp.peer import LlamaCppPythonPeer
+    from specdec_exact.runtimes import llamacpp
+    from specdec_exact.runtimes.llamacpp.peer import LlamaCppPythonPeer
 
     speculative, _ = pair
     loaded = speculative.target
@@ -164,7 +164,7 @@ def test_the_patched_kernels_verify_eight_tokens_exactly_at_every_calibrated_len
     own multi-token kernels round differently (exact up to 3 tokens with repacked layouts, 7 without)."""
     if not _cpu_has_avx2():
         pytest.skip("the patched kernels are x86 AVX2 code; other CPUs keep llama.cpp's own")
-    from specdec.runtimes import llamacpp
+    from specdec_exact.runtimes import llamacpp
 
     target = pair[0].target
     assert target.exact_widths == {length: max(llamacpp.CALIBRATION_WIDTHS) for length in target.exact_widths}
@@ -175,8 +175,8 @@ def test_the_patched_kernels_verify_eight_tokens_exactly_at_every_calibrated_len
 def test_the_kernel_plan_gives_each_width_an_exact_kernel_timed_against_llama_cpps_own(pair, role):
     """The calibration timed every candidate at every width, llama.cpp's own kernels among them, and the plan takes
     one that was exact there; under the plan a 16-token pass gives every token its one-token logits."""
-    from specdec.runtimes import llamacpp
-    from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, MAX_WIDTH
+    from specdec_exact.runtimes import llamacpp
+    from specdec_exact.runtimes.llamacpp.kernels import LLAMA_CPP, MAX_WIDTH
 
     model = getattr(pair[0], role)
     found = model.kernel_calibration
@@ -194,8 +194,8 @@ def test_the_kernel_plan_gives_each_width_an_exact_kernel_timed_against_llama_cp
 def test_negative_control_a_plan_of_llama_cpps_own_kernels_switched_in_process_is_caught(pair):
     """The plan is switched at run time, in this process: under llama.cpp's own kernels at every width the same
     16-token pass no longer matches the one-token passes (they round by pass width), so the check above can fail."""
-    from specdec.runtimes import llamacpp
-    from specdec.runtimes.llamacpp.kernels import LLAMA_CPP, KernelPlan
+    from specdec_exact.runtimes import llamacpp
+    from specdec_exact.runtimes.llamacpp.kernels import LLAMA_CPP, KernelPlan
 
     if not _cpu_has_avx2():
         pytest.skip("the patched kernels are x86 AVX2 code")
@@ -220,8 +220,8 @@ def test_negative_control_a_plan_of_llama_cpps_own_kernels_switched_in_process_i
 # off, and llama.cpp's own multi-token kernels take the passes again.
 _WIDTHS = """
 import sys
-from specdec import registry
-from specdec.runtimes import llamacpp
+from specdec_exact import registry
+from specdec_exact.runtimes import llamacpp
 model = llamacpp.LlamaCppModel(registry.gguf_file(sys.argv[1]), threads=2, repack=sys.argv[2] == "True")
 print(llamacpp.measure_exact_widths(model, contexts=(16,))["exact_width"]["16"])
 """
@@ -233,7 +233,7 @@ def test_negative_control_the_exactness_check_catches_llama_cpps_own_multi_token
     import subprocess
     import sys
 
-    from specdec.runtimes import llamacpp
+    from specdec_exact.runtimes import llamacpp
 
     if not _cpu_has_avx2():
         pytest.skip("the patched kernels are x86 AVX2 code")
@@ -251,8 +251,8 @@ def test_negative_control_the_exactness_check_catches_llama_cpps_own_multi_token
 # after 40 tokens one pass over the same 8 tokens; saved for the parent to compare.
 _OWN_KERNELS = """
 import sys, torch
-from specdec import registry
-from specdec.runtimes import llamacpp
+from specdec_exact import registry
+from specdec_exact.runtimes import llamacpp
 layout = {"True": True, "False": False, "None": None}
 model = llamacpp.LlamaCppModel(registry.gguf_file(sys.argv[1]), threads=2, repack=layout[sys.argv[2]],
                                prefill_repack=layout[sys.argv[3]], prefill_min_tokens=llamacpp.PREFILL_MIN_TOKENS)
@@ -282,7 +282,7 @@ def test_one_token_passes_equal_llama_cpps_own_kernels_bit_for_bit(pair, role, t
 
     import torch
 
-    from specdec.runtimes import llamacpp
+    from specdec_exact.runtimes import llamacpp
 
     if not _cpu_has_avx2():
         pytest.skip("the patched kernels are x86 AVX2 code; other CPUs keep llama.cpp's own")
@@ -323,7 +323,7 @@ def test_generate_many_on_the_default_pair_equals_each_prompts_own_output(pair):
 def concurrent_prompts(generator) -> list[str]:
     """16 real prompts of 40 to 1,000+ tokens (the long one first, so that it decodes beside the others)."""
     from benchmarks import load
-    from specdec.bench.workloads import TASKS
+    from specdec_exact.bench.workloads import TASKS
 
     long = "List every person named in these news articles."
     for prompt in TASKS["summarisation"].load():
@@ -391,7 +391,7 @@ def test_prompt_cache_hits_prefill_cold_logits_and_blocks_from_decode_passes_are
     """A hit's logits equal a cold prefill's bit for bit; negative control: a cache whose blocks were computed one
     token per pass (as decoding computes an answer's entries, which llama-server's cache reuses) gives other logits,
     so the comparison would catch a cache that reused them."""
-    from specdec.prompt_cache import PromptCache
+    from specdec_exact.prompt_cache import PromptCache
 
     speculative, _ = pair
     model, tokenizer = speculative.target, speculative.tokenizer
@@ -412,7 +412,7 @@ def test_a_shared_system_message_is_reused_exactly_and_one_computed_inside_a_lon
     (a segment far shorter than a block) and prefills the logits of a cold prefill bit for bit. Negative control: a
     cache whose system message was computed inside the first prompt's one pass (as llama-server's slot reuses a
     prompt's prefix; a pass of 64+ tokens takes ggml's tiled attention) gives other logits."""
-    from specdec.prompt_cache import PromptCache
+    from specdec_exact.prompt_cache import PromptCache
 
     speculative, _ = pair
     model, tokenizer = speculative.target, speculative.tokenizer
@@ -441,7 +441,7 @@ def test_a_cached_answer_prefills_cold_logits_and_an_answer_prefilled_in_one_pas
     reuses it and prefills the logits of a cold prefill bit for bit (whose answer segments run in passes of the exact
     verify width). Negative control: a cold prefill that runs the answer in one pass, as any other message, gives
     other logits: entries from decoding are reusable only because answers are prefilled as decoding computes them."""
-    from specdec.runtimes.llamacpp import runner as runner_module
+    from specdec_exact.runtimes.llamacpp import runner as runner_module
 
     speculative, _ = pair
     model, tokenizer = speculative.target, speculative.tokenizer
@@ -469,7 +469,7 @@ def test_a_five_turn_conversation_through_the_server_answers_as_a_server_without
     same requests on a server with no prompt cache give the same answers, token for token."""
     import openai
 
-    from specdec.server.app import create_app
+    from specdec_exact.server.app import create_app
 
     speculative, _ = pair
     opening = ("You review Python code for a team. Be brief and concrete, and quote the lines you discuss. "

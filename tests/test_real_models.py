@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from specdec import SpeculativeGenerator, registry
-from specdec.runtimes.pytorch import TorchRunner
+from specdec_exact import SpeculativeGenerator, registry
+from specdec_exact.runtimes.pytorch import TorchRunner
 
 from conftest import human_eval_prompts
 
@@ -23,7 +23,7 @@ NEW_TOKENS = 64
 def pair():
     missing = [name for name in (registry.DEFAULT_TARGET, registry.DEFAULT_DRAFT) if not registry.is_cached(name)]
     if missing:
-        message = f"models not pulled: run `specdec models pull {' '.join(missing)}`"
+        message = f"models not pulled: run `specdec-exact models pull {' '.join(missing)}`"
         if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
             pytest.fail(message)
         pytest.skip(message)
@@ -75,9 +75,9 @@ def test_shared_tokenizer_and_padded_output_layer(pair):
 
 def other_drafters(speculative):
     """Every other drafter over the already-loaded pair (the hybrid's draft model is the shared one)."""
-    from specdec.drafters import TargetInfo, model_drafter
-    from specdec.drafters.hybrid import HybridDrafter
-    from specdec.drafters.ngram import NgramDrafter
+    from specdec_exact.drafters import TargetInfo, model_drafter
+    from specdec_exact.drafters.hybrid import HybridDrafter
+    from specdec_exact.drafters.ngram import NgramDrafter
 
     info = TargetInfo(speculative.target, speculative.tokenizer, speculative.vocab_size, speculative.target.dtype)
     hybrid = HybridDrafter(NgramDrafter(), model_drafter(speculative.draft, info, speculative.tokenizer))

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import require
-from specdec import registry
-from specdec.registry import (
+from specdec_exact import registry
+from specdec_exact.registry import (
     MARKER,
     ChecksumMismatch,
     InsufficientResources,
@@ -110,7 +110,7 @@ def test_checksum_mismatch_deletes_the_file_and_says_so(fake_spec, tmp_path):
 def test_a_single_file_package_is_hashed_once_until_it_changes(fake_spec, cache, monkeypatch, tmp_path):
     """A model shipped as one file is read in place: it is hashed at its first load, not at every one after (a
     1.5 GB read each start), and again once its size or modification time changes; a corrupt one is still refused."""
-    from specdec.registry import gguf_files
+    from specdec_exact.registry import gguf_files
 
     whole = tmp_path / "site" / "whole.gguf"
     whole.write_bytes(joined_bytes(fake_spec))
@@ -243,7 +243,7 @@ def test_cached_dir_for_gguf_converts_once_per_file_version(cache, conversions, 
 
 def test_not_installed_model_names_the_command_to_run(fake_spec, cache, monkeypatch):
     monkeypatch.setattr(registry.packages, "missing_pins", lambda spec: list(spec.pins))
-    with pytest.raises(ModelNotAvailable, match=f"specdec models pull {FAKE}"):
+    with pytest.raises(ModelNotAvailable, match=f"specdec-exact models pull {FAKE}"):
         registry.local_model_dir(FAKE)
 
 
@@ -314,7 +314,7 @@ def test_list_models_on_an_empty_cache(cache):
 
 def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specdec")
-    from specdec.registry.command import add_models_parser
+    from specdec_exact.registry.command import add_models_parser
 
     add_models_parser(parser.add_subparsers())
     return parser.parse_args(argv)
@@ -390,7 +390,7 @@ def test_a_second_tokenizer_of_the_same_vocabulary_is_a_copy_with_its_own_chat_t
     import transformers
 
     from conftest import char_tokenizer
-    from specdec.runtimes import llamacpp
+    from specdec_exact.runtimes import llamacpp
 
     for name, template in (("target", "T {{ messages[0]['content'] }}"), ("draft", "D {{ messages[0]['content'] }}")):
         char_tokenizer().save_pretrained(tmp_path / name)

@@ -1,4 +1,4 @@
-"""specdec.sampling on its own: warping against transformers' logits processors, seeded sampling, bad input."""
+"""specdec_exact.sampling on its own: warping against transformers' logits processors, seeded sampling, bad input."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specdec.sampling import SamplingConfig, argmax, logits_to_probs, make_generator, sample
+from specdec_exact.sampling import SamplingConfig, argmax, logits_to_probs, make_generator, sample
 
 from conftest import reference_probs
 

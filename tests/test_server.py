@@ -16,11 +16,11 @@ import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec import SpeculativeGenerator, server
-from specdec.adjust import LogitAdjust
-from specdec.logprobs import token_logprobs
-from specdec.runtimes import runtime_of
-from specdec.server import create_app
+from specdec_exact import SpeculativeGenerator, server
+from specdec_exact.adjust import LogitAdjust
+from specdec_exact.logprobs import token_logprobs
+from specdec_exact.runtimes import runtime_of
+from specdec_exact.server import create_app
 
 from conftest import char_tokenizer, close_draft, serve, tiny_model
 
@@ -293,7 +293,7 @@ def test_prompt_as_token_ids(client, generator):
 def test_greedy_chat_equals_generate_with_chat(client, generator):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}],
                                          max_tokens=25, temperature=0, extra_body=STATS)
-    ref = generator.generate("hello", chat=True, max_new_tokens=25)  # what `specdec generate --chat` prints
+    ref = generator.generate("hello", chat=True, max_new_tokens=25)  # what `specdec-exact generate --chat` prints
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.text
     assert out.usage.prompt_tokens == len(generator.encode("hello", chat=True))
@@ -459,7 +459,7 @@ def test_bad_input_gets_a_4xx_in_openai_shape(url, path, body, status, param):
 
 
 def test_a_huge_body_is_refused_before_it_is_read_and_the_server_keeps_answering(url):
-    from specdec.server import MAX_BODY_BYTES
+    from specdec_exact.server import MAX_BODY_BYTES
 
     huge = json.dumps({"model": MODEL, "prompt": "a" * (MAX_BODY_BYTES + 1)})
     started = time.monotonic()
@@ -631,7 +631,7 @@ def test_each_keys_requests_draft_only_from_that_keys_earlier_text_unless_shared
     assert shared_other == again, accepted
 
 
-# ---- `specdec serve`
+# ---- `specdec-exact serve`
 
 
 def served_when_loaded(ran: dict, bound: threading.Event | None = None):
@@ -648,10 +648,11 @@ def served_when_loaded(ran: dict, bound: threading.Event | None = None):
 
 
 def test_serve_command_builds_one_generator_and_binds_loopback(monkeypatch, generator):
-    import specdec.generator
+    import specdec_exact.generator
 
     built, ran = [], {}
-    monkeypatch.setattr(specdec.generator, "SpeculativeGenerator", lambda *args, **kw: built.append(args) or generator)
+    monkeypatch.setattr(specdec_exact.generator, "SpeculativeGenerator",
+                        lambda *args, **kw: built.append(args) or generator)
     monkeypatch.setattr(uvicorn.Server, "run", served_when_loaded(ran))
     monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
     parser = argparse.ArgumentParser()
@@ -752,7 +753,7 @@ def test_a_failing_sequence_fails_only_its_own_request(generator, monkeypatch, s
     """A fault in one sequence's target pass, while seven others decode beside it in one batch: that request gets an
     error it can act on (a 500 naming the fault, or mid-stream an error event and the end of the stream), the seven
     get exactly the tokens they get without the fault, and the server goes on serving."""
-    from specdec.runtimes.pytorch import TorchRunner
+    from specdec_exact.runtimes.pytorch import TorchRunner
 
     jobs = [dict(prompt=f"job {i}:", max_tokens=30, temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(7)]
     expected = [generator.generate(j["prompt"], max_new_tokens=30, temperature=j["temperature"],
@@ -810,7 +811,7 @@ def test_a_failing_sequence_fails_only_its_own_request(generator, monkeypatch, s
 def test_a_failing_batch_cycle_ends_its_requests_and_the_scheduler_goes_on(generator, monkeypatch, caplog):
     """A cycle that fails as a whole (not one sequence's failure) ends the requests in it with a 500 naming the fault;
     the model's thread survives it and serves the next request."""
-    from specdec.batching import Batch
+    from specdec_exact.batching import Batch
 
     fail_once(monkeypatch, Batch, "step", RuntimeError("injected fault in the batch"), lambda batch: batch.active)
     with serve(create_app(generator, MODEL)) as base:
@@ -828,7 +829,7 @@ def test_a_fault_outside_a_batch_step_ends_the_requests_in_flight_and_the_model_
     """A fault of the model's thread between steps (here as a request leaves the batch): the request in the batch
     gets a 500 naming it at once (not a 504 after the request timeout), the thread serves the next request, and the
     fault is counted in /metrics while /health stays 200."""
-    from specdec.server.scheduler import Scheduler
+    from specdec_exact.server.scheduler import Scheduler
 
     fail_once(monkeypatch, Scheduler, "_leave", RuntimeError("injected fault as a request leaves"),
               lambda scheduler: scheduler._active)
@@ -847,7 +848,7 @@ def test_a_fault_outside_a_batch_step_ends_the_requests_in_flight_and_the_model_
 def test_a_model_thread_that_ends_makes_health_503_and_the_next_request_starts_it_again(generator, monkeypatch):
     """If the model's thread ends (an error that is not an Exception), the request it held ends with a 500, /health
     says 503 and why (a load balancer stops sending), and the next request starts a new thread and is answered."""
-    from specdec.server.scheduler import Scheduler
+    from specdec_exact.server.scheduler import Scheduler
 
     fail_once(monkeypatch, Scheduler, "_cycle", SystemExit("injected end of the model's thread"),
               lambda scheduler: scheduler._active)
@@ -866,7 +867,7 @@ def test_a_model_thread_that_ends_makes_health_503_and_the_next_request_starts_i
 def test_a_value_error_inside_the_server_is_a_500_not_a_400_blaming_the_client(generator, monkeypatch):
     """Only a refusal of the request itself (it does not fit in the context) answers 400; a ValueError raised while
     the server starts a request that was fine is the server's fault, answered with 500."""
-    from specdec.batching import Batch
+    from specdec_exact.batching import Batch
 
     add = Batch.add
 
@@ -908,8 +909,8 @@ def test_ctx_size_is_the_limit_prompts_are_checked_against_and_is_reported(gener
 
 
 def test_ctx_size_flag_reaches_the_app_and_a_bad_one_is_refused_at_start(monkeypatch, generator, capsys):
-    import specdec.generator
-    from specdec.cli import main
+    import specdec_exact.generator
+    from specdec_exact.cli import main
 
     ran, bound = {}, threading.Event()
 
@@ -917,7 +918,7 @@ def test_ctx_size_flag_reaches_the_app_and_a_bad_one_is_refused_at_start(monkeyp
         assert bound.wait(30), "the models were loaded before the server bound its port"
         return generator
 
-    monkeypatch.setattr(specdec.generator, "SpeculativeGenerator", load)
+    monkeypatch.setattr(specdec_exact.generator, "SpeculativeGenerator", load)
     monkeypatch.setattr(uvicorn.Server, "run", served_when_loaded(ran, bound))
     serve_ = ["serve", "--target", "some/model", "--draft", "none"]
     assert main([*serve_, "--ctx-size", "100", "--request-timeout", "5"]) == 0
@@ -938,8 +939,8 @@ def test_ctx_size_flag_reaches_the_app_and_a_bad_one_is_refused_at_start(monkeyp
 def test_a_starting_server_answers_503_with_its_progress_until_its_app_is_built(generator):
     """The port is bound before the models load: /health says what is being done and how far it is, the API routes
     answer 503 in OpenAI's shape, then every request reaches the built app. A load that fails stops the server."""
-    from specdec import progress
-    from specdec.server.starting import Starting
+    from specdec_exact import progress
+    from specdec_exact.server.starting import Starting
 
     calibrating, release = threading.Event(), threading.Event()
 
@@ -978,7 +979,7 @@ def test_a_starting_server_answers_503_with_its_progress_until_its_app_is_built(
 
 
 def test_an_api_key_file_gives_several_keys_and_a_bad_one_is_refused_before_loading(generator, tmp_path):
-    from specdec.server.command import api_keys, check_serve_args, serve_arguments
+    from specdec_exact.server.command import api_keys, check_serve_args, serve_arguments
 
     keys = tmp_path / "keys"
     keys.write_text("# one key a line\nalice-key\n\n  bob-key  \n")
@@ -1000,7 +1001,7 @@ def test_an_unauthenticated_upload_gets_401_before_its_body_is_read(generator):
     alone buffers) its chunked body, however large."""
     import asyncio
 
-    from specdec.server import MAX_BODY_BYTES
+    from specdec_exact.server import MAX_BODY_BYTES
 
     app = create_app(generator, MODEL, api_key=KEY)
     reads, sent = [], []
@@ -1118,7 +1119,7 @@ def test_the_event_loop_answers_while_a_chat_template_renders(url, generator, mo
 
 
 def test_ctx_size_and_max_batch_are_decided_by_the_kv_cache_that_fits():
-    from specdec.server.limits import MEMORY_SHARE, MIN_CTX_SIZE, choose_ctx_size
+    from specdec_exact.server.limits import MEMORY_SHARE, MIN_CTX_SIZE, choose_ctx_size
 
     kib, gib = 2**10, 2**30
     fits = dict(kv_bytes_per_token=128 * kib, trained_context=32768, max_batch=8)  # 1 MiB per token of the batch
@@ -1153,7 +1154,7 @@ def test_the_prompt_cache_and_a_prefills_copies_count_against_the_memory_for_the
     """The prompt cache's budget comes out of the share of memory the KV caches may take, and a prefill through it
     copies a sequence's KV state PREFILL_COPIES times: a context that fits without the cache is refused with it,
     saying which flags to change. Negative control: without a prompt cache, the same context fits."""
-    from specdec.server.limits import MEMORY_SHARE, PREFILL_COPIES, choose_ctx_size
+    from specdec_exact.server.limits import MEMORY_SHARE, PREFILL_COPIES, choose_ctx_size
 
     mib, gib = 2**20, 2**30
     fits = dict(kv_bytes_per_token=mib // 8, trained_context=32768, max_batch=8, available_bytes=16 * gib)
@@ -1170,7 +1171,7 @@ def test_the_prompt_cache_and_a_prefills_copies_count_against_the_memory_for_the
 
 
 def test_available_memory_reads_memavailable(tmp_path):
-    from specdec.server.limits import available_memory
+    from specdec_exact.server.limits import available_memory
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       16303404 kB\nMemFree:         1045304 kB\nMemAvailable:    9512340 kB\n")

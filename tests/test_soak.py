@@ -14,9 +14,9 @@ from collections import Counter
 import httpx
 import pytest
 
-from specdec import SpeculativeGenerator
-from specdec.server import create_app
-from specdec.server.scheduler import Scheduler
+from specdec_exact import SpeculativeGenerator
+from specdec_exact.server import create_app
+from specdec_exact.server.scheduler import Scheduler
 
 from conftest import char_tokenizer, close_draft, serve, tiny_model
 

@@ -12,11 +12,11 @@ import itertools
 import pytest
 import torch
 
-import specdec.engine
-from specdec.adaptive import FixedK
-from specdec.adjust import LogitAdjust
-from specdec.drafters import Drafter, Proposal
-from specdec.sampling import SamplingConfig, logits_to_probs, make_generator, sample
+import specdec_exact.engine
+from specdec_exact.adaptive import FixedK
+from specdec_exact.adjust import LogitAdjust
+from specdec_exact.drafters import Drafter, Proposal
+from specdec_exact.sampling import SamplingConfig, logits_to_probs, make_generator, sample
 
 from conftest import (ALPHA, DRAWS, PROMPT, VOCAB, ToyRunner, chi_square_p_value, reference_probs, sample_sequences,
                       target_distribution, toy_draft_model)
@@ -59,7 +59,7 @@ def accept_everything(draft_tokens, draft_probs, target_probs, generator):
 @pytest.mark.parametrize("case", ["temperature 1, k=2, 3 tokens", "top-p 0.8, k=1, 3 tokens"])
 def test_negative_control_wrong_verifier_is_detected(case, monkeypatch):
     """The same test has the power to catch a verifier that does not correct the draft."""
-    monkeypatch.setattr(specdec.engine, "rejection_sample", accept_everything)
+    monkeypatch.setattr(specdec_exact.engine, "rejection_sample", accept_everything)
     make_drafter, k, n_new, sampling = CASES[case]
     expected = target_distribution(ToyRunner(VOCAB, seed=0), n_new, sampling)
     counts = {s: c for s, c in sample_sequences(make_drafter, k, n_new, sampling).items()}
@@ -74,8 +74,8 @@ def ignore_top_k(logits, sampling):
 
 
 def test_negative_control_wrong_warping_is_detected(monkeypatch):
-    """The oracle is independent of specdec.sampling: a warping bug shows up as a distribution mismatch."""
-    monkeypatch.setattr(specdec.engine, "logits_to_probs", ignore_top_k)
+    """The oracle is independent of specdec_exact.sampling: a warping bug shows up as a distribution mismatch."""
+    monkeypatch.setattr(specdec_exact.engine, "logits_to_probs", ignore_top_k)
     make_drafter, k, n_new, sampling = CASES["temperature 0.7 + top-k 3, k=3, 2 tokens"]
     expected = target_distribution(ToyRunner(VOCAB, seed=0), n_new, sampling)
     counts = sample_sequences(make_drafter, k, n_new, sampling)
@@ -94,8 +94,8 @@ def sample_sequences_in_batches(n_new: int, sampling: SamplingConfig, batch: int
     """DRAWS sequences, decoded `batch` at a time by batch_cycle: deterministic and model drafters in turn, with the
     ks in turn, so that every cycle mixes proposals of different lengths and acceptance is ragged (with pass_cost
     sub_passes: the shorter drafts padded; ks (2, 1): every model draft)."""
-    from specdec.batching import batch_cycle
-    from specdec.engine import Decoding
+    from specdec_exact.batching import batch_cycle
+    from specdec_exact.engine import Decoding
 
     counts: dict[tuple[int, ...], int] = {}
     generator = make_generator(4321)
@@ -122,7 +122,7 @@ def test_sampling_inside_a_batch_matches_target_distribution(pass_cost):
 
 @pytest.mark.parametrize("pass_cost", [None, sub_passes], ids=["ragged", "padded"])
 def test_negative_control_a_wrong_verifier_inside_a_batch_is_detected(monkeypatch, pass_cost):
-    monkeypatch.setattr(specdec.engine, "rejection_sample", accept_everything)
+    monkeypatch.setattr(specdec_exact.engine, "rejection_sample", accept_everything)
     sampling = SamplingConfig(temperature=1.0)
     expected = target_distribution(ToyRunner(VOCAB, seed=0), 3, sampling)
     counts = sample_sequences_in_batches(3, sampling, pass_cost=pass_cost)
@@ -157,7 +157,7 @@ CROSS_DRAFT = ("cba", [("b", "c"), ("a", "b"), ("ab", "c")])
 
 
 def cross_vocab_drafter(drafter_class=None):
-    from specdec.drafters.cross_vocab import CrossVocabDrafter, Vocabularies
+    from specdec_exact.drafters.cross_vocab import CrossVocabDrafter, Vocabularies
 
     from conftest import byte_bpe_tokenizer
 
@@ -178,7 +178,7 @@ def test_cross_vocabulary_sampling_matches_target_distribution():
 def test_negative_control_cross_vocabulary_q_by_draft_ids_is_detected(monkeypatch):
     """The method has to map q to the target's ids: a q left on the draft's ids (read as if the vocabularies were
     one) is caught."""
-    from specdec.drafters.cross_vocab import Vocabularies
+    from specdec_exact.drafters.cross_vocab import Vocabularies
 
     def by_draft_ids(self, draft_probs):
         return draft_probs[..., : self.target_size]
@@ -191,7 +191,7 @@ def test_negative_control_cross_vocabulary_q_by_draft_ids_is_detected(monkeypatc
 def test_negative_control_cross_vocabulary_q_not_renormalised_is_detected():
     """The draft samples among the shared tokens, so q must be its distribution restricted to them and
     renormalised; reporting its unrestricted probabilities instead (the mass outside left out) is caught."""
-    from specdec.drafters.cross_vocab import CrossVocabDrafter
+    from specdec_exact.drafters.cross_vocab import CrossVocabDrafter
 
     class Unrenormalised(CrossVocabDrafter):
         def draft(self, context, k, sampling, generator, allowed=None):
@@ -210,8 +210,8 @@ def test_negative_control_cross_vocabulary_q_not_renormalised_is_detected():
 
 
 class NoRepeat:
-    """A toy grammar over token ids, with specdec.grammar.Constraint's interface: no token twice in a row. Its mask
-    at a position depends on the token before it, so at a draft position on the draft token before (ignore_draft:
+    """A toy grammar over token ids, with specdec_exact.grammar.Constraint's interface: no token twice in a row. Its
+    mask at a position depends on the token before it, so at a draft position on the draft token before (ignore_draft:
     the mistake of masking every row of a pass as its first, which the test must catch)."""
 
     def __init__(self, last: int, ignore_draft: bool = False):
@@ -251,7 +251,7 @@ def test_constrained_sampling_matches_the_masked_target_distribution(ignore_draf
     expected = constrained_distribution(n_new, sampling)
     generator, drafter, counts = make_generator(99), toy_draft_model(), {}
     for _ in range(DRAWS):
-        steps = specdec.engine.speculative_decode(
+        steps = specdec_exact.engine.speculative_decode(
             ToyRunner(VOCAB, seed=0), drafter, torch.tensor([PROMPT]), k=FixedK(2), max_new_tokens=n_new,
             sampling=sampling, generator=generator, constraint=NoRepeat(PROMPT[-1], ignore_draft))
         seq = tuple(t for step in steps for t in step.tokens)
@@ -291,7 +291,7 @@ def test_penalised_sampling_matches_the_penalised_target_distribution(ignore_dra
             [rows(self, logits[j:j + 1], generated, []) for j in range(logits.shape[0])]))
     generator, drafter, counts = make_generator(7), toy_draft_model(), {}
     for _ in range(DRAWS):
-        steps = specdec.engine.speculative_decode(
+        steps = specdec_exact.engine.speculative_decode(
             ToyRunner(VOCAB, seed=0), drafter, torch.tensor([PROMPT]), k=FixedK(2), max_new_tokens=n_new,
             sampling=sampling, generator=generator, adjust=adjust)
         seq = tuple(t for step in steps for t in step.tokens)

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from specdec.grammar import GrammarError
-from specdec.tools import HERMES, ToolStream, tool_format
+from specdec_exact.grammar import GrammarError
+from specdec_exact.tools import HERMES, ToolStream, tool_format
 
 QWEN_LIKE = ("{%- if tools %}<tools>{% for tool in tools %}{{ tool | tojson }}{% endfor %}</tools> Call them as "
              "<tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>{% endif %}"
@@ -63,7 +63,7 @@ def test_the_default_targets_template_teaches_the_hermes_format_and_takes_calls_
     from transformers import AutoTokenizer
 
     from conftest import require
-    from specdec import registry
+    from specdec_exact import registry
 
     require(registry.gguf_ready(registry.DEFAULT_TARGET), f"{registry.DEFAULT_TARGET} is not pulled: make models")
     path = registry.gguf_file(registry.DEFAULT_TARGET, progress=False)

@@ -14,9 +14,9 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from specdec.models import quantize_int8
-from specdec.runtimes import TORCH
-from specdec.runtimes.pytorch import CALIBRATION_WIDTHS, ExactWidth, TorchRunner, exact_verify_width
+from specdec_exact.models import quantize_int8
+from specdec_exact.runtimes import TORCH
+from specdec_exact.runtimes.pytorch import CALIBRATION_WIDTHS, ExactWidth, TorchRunner, exact_verify_width
 
 from conftest import require, tiny_model
 
@@ -150,9 +150,9 @@ def weighted_median(values, weights):
 def load_real(dtype=torch.float32, quantization=None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specdec import registry
+    from specdec_exact import registry
 
-    require(registry.is_cached(REAL_MODEL), f"model not pulled: run `specdec models pull {REAL_MODEL}`")
+    require(registry.is_cached(REAL_MODEL), f"model not pulled: run `specdec-exact models pull {REAL_MODEL}`")
     directory = registry.local_model_dir(REAL_MODEL)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True).eval()
     if quantization is not None:
@@ -206,7 +206,7 @@ def check_real_calibration(model, tokenizer) -> int:
 
 
 def check_real_greedy(target, draft, tokenizer):
-    from specdec import SpeculativeGenerator
+    from specdec_exact import SpeculativeGenerator
 
     gen = SpeculativeGenerator(target, draft, k=4, tokenizer=tokenizer, draft_tokenizer=tokenizer, runtime="torch")
     ids = tokenizer(PROMPT)["input_ids"]

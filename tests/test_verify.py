@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.verify import acceptance_probs, greedy_verify, rejection_sample, residual_probs
+from specdec_exact.verify import acceptance_probs, greedy_verify, rejection_sample, residual_probs
 
 
 def distributions(vocab: int, rows: int):
