@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Builds upstream llama-server, the baseline `specdec-exact bench-servers` measures against, from the llama.cpp source
-# that llama-cpp-python's source release VERSION vendors, WITHOUT specdec's kernel patch, for this CPU. The binary is
-# linked statically against ggml/llama (it runs from OUT as it is) and lands in OUT/llama-server. The build is offline:
-# no libcurl, no OpenSSL, no prebuilt web UI download. A failed build leaves nothing in OUT.
+# Builds upstream llama-server, the baseline `specdec bench-servers` measures against, from the llama.cpp source that
+# llama-cpp-python's source release VERSION vendors, WITHOUT specdec's kernel patch, for this CPU. The binary is linked
+# statically against ggml/llama (it runs from OUT as it is) and lands in OUT/llama-server. The build is offline: no
+# libcurl, no OpenSSL, no prebuilt web UI download. A failed build leaves nothing in OUT.
 #
 #   native/build-llama-server.sh PYTHON VERSION OUT
 set -euo pipefail
