@@ -41,15 +41,8 @@ BATCH = 512  # tokens per llama_decode call (a longer prompt is fed in several),
 # model's exact verify width, whose logits and cache entries are those of one-token passes bit for bit: what decoding
 # wrote while it generated that answer. So an answer that the runner just generated is cached as if a prefill had
 # computed it (LlamaCppRunner.keep_answer), and the next turn of the conversation reuses it.
-#
-# A block boundary outside an answer that a message's start follows within PREFILL_TAIL tokens is no boundary: the
-# block runs on to that message's start in one pass (at most PREFILL_BLOCK + PREFILL_TAIL - 1 tokens), since a pass of
-# under 64 tokens costs more a token than a block (it takes the sequential attention sweep: a prompt's last 59 tokens
-# took 8.8 ms a token, its blocks 6.3-6.6; docs/prefill-passes-zen4). The message's start is part of every longer prompt
-# that shares the tokens up to it, so prompts that start alike are still cut alike up to the last message they share.
 PREFILL_BLOCK = 128
 PREFILL_MIN_SEGMENT = 16
-PREFILL_TAIL = 64
 
 # KV cache element types (ggml_type). ggml's flash attention over an f16 or f32 cache of 512+ cells splits a one-token
 # pass across threads and merges partial softmaxes, while wider passes run each row in one sequential sweep, so past
@@ -135,9 +128,8 @@ def _free_context(lib, ctx, batch) -> None:
 def prefill_segments(tokens: list[int], marks: frozenset[int], answer_start: tuple[int, ...] | None = None
                      ) -> list[tuple[int, bool]]:
     """(end, whether it is part of an answer) of each segment of `tokens`, in order (the last ends at len(tokens)):
-    see PREFILL_BLOCK. Each boundary depends on the tokens before it and the few at it (a block's, on whether a
-    message starts within PREFILL_TAIL tokens after it), so prompts that start alike are cut alike up to the last
-    message start they share (and a prompt that ends with an answer's end of message is cut as every
+    see PREFILL_BLOCK. Each boundary depends on the tokens before it and the few at it, so prompts that start alike
+    are cut alike up to where they part (and a prompt that ends with an answer's end of message is cut as every
     longer one: the next message starts with a boundary); a segment is part of an answer when the last mark at or before its start
     begins answer_start."""
     answer_start = tuple(answer_start or ())
@@ -153,8 +145,7 @@ def prefill_segments(tokens: list[int], marks: frozenset[int], answer_start: tup
         token = tokens[i]
         mark = token in marks
         answer = mark and answers_at(i)
-        block = i % PREFILL_BLOCK == 0 and (mark or in_answer or not marks.intersection(tokens[i + 1:i + PREFILL_TAIL]))
-        if block or answer or (mark and in_answer) or (
+        if i % PREFILL_BLOCK == 0 or answer or (mark and in_answer) or (
                 mark and i - last >= PREFILL_MIN_SEGMENT and -i % PREFILL_BLOCK >= PREFILL_MIN_SEGMENT):
             segments.append((i, kind))
             last = i
