@@ -1,11 +1,11 @@
 """How a prompt's prefill passes cost: the default target (`--draft none`, 2 threads) prefills each chat prompt given
 (ids of benchmarks/data/server_prompts.json) cold, cut as each setting given says (BLOCK/TAIL: context.PREFILL_BLOCK
-and PREFILL_TAIL patched; 128/1 or 128: blocks of 128 tokens whatever follows them, as served; 128/64: a block boundary
-that a message's start follows within 63 tokens left out, at the commit that tried it (PREFILL_TAIL; without it the
-setting changes nothing); 4096: the whole prompt in one pass), the settings in turn for each prompt, their order rotated from round to round; every llama.cpp pass timed
-(tokens, milliseconds). Usage, from the
-repository with its .venv: .venv/bin/python docs/prefill-passes-zen4/measure.py OUT.json ROUNDS SETTINGS PROMPT_ID [...]
-(SETTINGS: comma-separated, such as 128/1,128/64,4096/1)"""
+and PREFILL_TAIL patched; 128/1 or 128: blocks of 128 tokens whatever follows them, as served; 128/64: a block
+boundary that a message's start follows within 63 tokens left out, at the commit that tried it (PREFILL_TAIL; without
+it the setting changes nothing); 4096: the whole prompt in one pass), the settings in turn for each prompt, their
+order rotated from round to round; every llama.cpp pass timed (tokens, milliseconds). Usage, from the repository with
+its .venv: .venv/bin/python docs/prefill-passes-zen4/measure.py OUT.json ROUNDS SETTINGS PROMPT_ID [...] (SETTINGS:
+comma-separated, such as 128/1,128/64,4096/1)"""
 
 import json
 import platform
@@ -31,9 +31,11 @@ def timed(model, ctx, entries):
 
 def main(out: Path, rounds: int, settings: list[str], ids: list[str]) -> None:
     for module in list(sys.modules.values()):  # every module that imported evaluate by name
-        if getattr(module, "__name__", "").startswith("specdec_exact") and getattr(module, "evaluate", None) is evaluate:
+        named = getattr(module, "__name__", "")
+        if named.startswith("specdec_exact") and getattr(module, "evaluate", None) is evaluate:
             module.evaluate = timed
-    prompts = {p["id"]: p["prompt"] for p in json.loads((ROOT / "benchmarks/data/server_prompts.json").read_text())["prompts"]}
+    data = json.loads((ROOT / "benchmarks/data/server_prompts.json").read_text())
+    prompts = {p["id"]: p["prompt"] for p in data["prompts"]}
     gen = SpeculativeGenerator("qwen2.5-coder-1.5b-instruct", "none", threads=2, prompt_cache=0)
     gen.generate("Say hello.", max_new_tokens=4, chat=True)  # (warm-up)
     records = []
