@@ -325,8 +325,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="benchmark specdec-exact serve against upstream llama-server, over HTTP",
         description="Start upstream llama-server (plain, --spec-default n-gram speculation, -md draft model; built "
                     "by `make llama-server`) and specdec-exact serve (default drafter, and --draft none) as "
-                    "subprocesses on loopback ports and send each the same greedy chat prompts of six kinds, one request at a "
-                    "time, interleaved prompt by prompt. Writes results.json and report.md under --out.")
+                    "subprocesses on loopback ports and send each the same greedy chat prompts of six kinds, one "
+                    "request at a time, interleaved prompt by prompt. Writes results.json and report.md under --out.")
     parser.add_argument("--servers", default=None,
                         help=f"comma-separated servers to run, of {', '.join(SERVERS)} (default: "
                              f"{','.join(DEFAULT_SERVERS)}; llama-server-fa and specdec-target-only-own-kernels are "

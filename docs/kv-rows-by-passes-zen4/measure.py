@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from specdec_exact import SpeculativeGenerator
+from specdec_exact.bench.runner import machine_info, versions
 from specdec_exact.runtimes.llamacpp.calibration import cache_rows
 from specdec_exact.runtimes.llamacpp.context import Context, evaluate, prefill_segments
 
@@ -34,6 +35,8 @@ def main(ids: list[str]) -> None:
     prompts = {p["id"]: p["prompt"] for p in data["prompts"]}
     gen = SpeculativeGenerator("qwen2.5-coder-1.5b-instruct", "none", threads=2, prompt_cache=0)
     target = gen.target
+    print(json.dumps({"command": " ".join(sys.argv), "machine": machine_info(), "versions": versions(),
+                      "kernel_plan": target.kernel_plan.describe()}))
     there = target.prefill_model
     for prompt_id in ids:
         tokens = gen.encode(prompts[prompt_id], True)

@@ -8,14 +8,13 @@ its .venv: .venv/bin/python docs/prefill-passes-zen4/measure.py OUT.json ROUNDS 
 comma-separated, such as 128/1,128/64,4096/1)"""
 
 import json
-import platform
 import sys
 import time
-from importlib.metadata import version
 from pathlib import Path
 
 import specdec_exact.runtimes.llamacpp.context as context
 from specdec_exact import SpeculativeGenerator
+from specdec_exact.bench.runner import machine_info, versions
 
 ROOT = Path(__file__).resolve().parents[2]
 passes: list[tuple[int, float]] = []
@@ -49,14 +48,7 @@ def main(out: Path, rounds: int, settings: list[str], ids: list[str]) -> None:
                 records.append({"round": round_, "setting": setting, "prompt_id": prompt_id,
                                 "seconds": time.perf_counter() - started, "passes": list(passes)})
                 print(records[-1])
-    cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    family = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("cpu family"))
-    model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model\t"))
-    flags = next(line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags"))
-    out.write_text(json.dumps({"command": " ".join(sys.argv), "machine": {"cpu": cpu, "family": family, "model": model,
-                                                                          "flags": [f for f in flags if "avx" in f],
-                                                                          "python": platform.python_version()},
-                               "versions": {"llama-cpp-python": version("llama-cpp-python")},
+    out.write_text(json.dumps({"command": " ".join(sys.argv), "machine": machine_info(), "versions": versions(),
                                "kernel_plan": gen.target.kernel_plan.describe(), "records": records}, indent=1))
 
 

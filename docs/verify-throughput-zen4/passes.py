@@ -7,6 +7,7 @@ import json
 import sys
 import time
 
+from specdec_exact.bench.runner import machine_info, versions
 from specdec_exact.registry import gguf_file
 from specdec_exact.runtimes.llamacpp.calibration import private_runner, probe_tokens
 from specdec_exact.runtimes.llamacpp.model import LlamaCppModel
@@ -28,7 +29,8 @@ def main(n: int, widths: list[int]) -> None:
         seconds.sort()
         found[width] = {"fastest_ms": round(seconds[0] * 1e3, 2),
                         "median_ms": round(seconds[len(seconds) // 2] * 1e3, 2)}
-    print(json.dumps({"kernel_plan": model.kernel_plan.describe(), "passes": found}))
+    print(json.dumps({"command": " ".join(sys.argv), "machine": machine_info(), "versions": versions(),
+                      "kernel_plan": model.kernel_plan.describe(), "passes": found}))
 
 
 if __name__ == "__main__":
