@@ -37,6 +37,11 @@ from specdec_exact.llama_server import llama_server_argv as _llama_server_argv
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "server_prompts.json"
 KINDS = ("code-edit", "document-qa", "chat", "maths", "translation", "summary")
+# A pause after each measured request (a turn, a burst) before the next server's: a server may go on working a moment
+# after its answer is out (specdec keeps a chat answer for the conversation's next turn, a pass of ~50 ms:
+# Batch.keep_answers), which the next request, to another server, must not pay for. The same for every server, and
+# outside every timing.
+SETTLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,7 @@ def serving(servers: list[Server], out: Path, startup_timeout: float, results: d
         running = start_servers(stack, servers, out, startup_timeout, results)
         for server in running.values():
             server.request(warmup, warmup_tokens)
+            time.sleep(SETTLE_S)
         yield running
 
 
@@ -221,6 +227,7 @@ def each_turn(names: list[str], rounds: int, unit: str, results: dict, path: Pat
                 yield round_, name
                 save(results, path)
                 bar.update()
+                time.sleep(SETTLE_S)
 
 
 # ---- results.json and report.md

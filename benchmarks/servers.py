@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from benchmarks import harness
 from benchmarks.harness import (KINDS, LLAMA_SERVER_FALLBACK, Server, Setup, add_benchmark, fmt,
                                 llama_server_argv, load_prompts, measure_and_keep, median, names,
                                 results_header, rotation, schedule, serving, setup_of, specdec_serve, table)
@@ -107,6 +108,7 @@ def run_servers(servers: list[Server], prompts: list[dict], warmup: dict, max_to
                     results["records"].append({"server": name, "round": round_, "kind": prompt["kind"],
                                                "prompt_id": prompt["id"], **record})
                     bar.update()
+                    time.sleep(harness.SETTLE_S)
                 save(results, path)
     return results
 
@@ -140,6 +142,7 @@ def _run_bursts(running: dict, prompts: list[dict], max_tokens: int, rounds: int
                 results["bursts"].append({"server": name, "round": round_, "wall_s": wall_s,
                                           "completion_tokens": sum(r.get("completion_tokens") or 0 for r in records)})
                 save(results, path)
+                time.sleep(harness.SETTLE_S)
     return results
 
 

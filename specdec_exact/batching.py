@@ -209,6 +209,7 @@ class Batch:
                 self.pool(model)
         self.max_length = self.pool(target).max_length  # tokens one request may hold
         self.active: list[Generation] = []
+        self._finished: list[Generation] = []  # finished in the last step, their answers not yet kept (keep_answers)
 
     def pool(self, model) -> SequencePool:
         """This batch's pool of a model's sequences (how a request's drafter gets its draft model's sequence)."""
@@ -226,8 +227,9 @@ class Batch:
         return runtime_of(model).own_pool(model, self._max_length, self.generator.prompt_cache)
 
     def room(self) -> int:
-        """Requests that add() can start now."""
-        return min(self.max_batch - len(self.active), self.pools[id(self.generator.target)].free)
+        """Requests that add() can start now (a finished request holds its slot until keep_answers() ran)."""
+        return min(self.max_batch - len(self.active) - len(self._finished),
+                   self.pools[id(self.generator.target)].free)
 
     def has_room(self) -> bool:
         return self.room() > 0
@@ -279,6 +281,7 @@ class Batch:
         """One cycle: a prefill pass of the earliest request still reading its prompt (chunked prefill: the others
         wait at most one pass for it), then a cycle of every request past its prefill -> each of those one's chunk,
         or the exception that ended it (a failed prefill's too; finished and failed requests leave the batch)."""
+        self.keep_answers()
         results: list[tuple[Generation, Chunk | Exception]] = []
         reading = next((sequence for sequence in self.active if sequence.decoding.prefilling), None)
         if reading is not None:
@@ -303,20 +306,27 @@ class Batch:
         for sequence, outcome in results:
             if isinstance(outcome, Exception) or outcome.finish_reason:
                 self.active.remove(sequence)
-                if not isinstance(outcome, Exception):
+                if isinstance(outcome, Exception):
+                    sequence.close()
+                else:
                     sequence.last = outcome
-                    # Before the last chunk goes out: when a client has its answer, its slot is free again (a
-                    # server made next on the same model finds the pool idle)
-                    self._keep_answer(sequence)
-                sequence.close()
+                    self._finished.append(sequence)
         return results
 
-    def _keep_answer(self, sequence: Generation) -> None:
-        """Cache a finished request's answer for its conversation's next turn; a failure costs that reuse only."""
-        try:
-            self.generator.keep_answer(sequence)
-        except Exception as error:  # (the answer itself is complete)
-            log.warning("could not cache an answer for the next turn: %s", error)
+    def keep_answers(self) -> None:
+        """Cache the answers of the requests that finished in the last step for their conversations' next turns,
+        then free their slots. Keeping one is a target pass over its last token and the template's end of message
+        (LlamaCppRunner.keep_answer: 40-50 ms on a 2-core Zen 4), which its client need not wait for: a caller that
+        hands the finished chunks out first (the server's scheduler, a stream) calls this after; the next step()
+        and close() call it in any case."""
+        while self._finished:
+            sequence = self._finished.pop(0)
+            try:
+                self.generator.keep_answer(sequence)
+            except Exception as error:  # (the answer itself is complete): that reuse alone is lost
+                log.warning("could not cache an answer for the next turn: %s", error)
+            finally:
+                sequence.close()
 
     @staticmethod
     def _chunk(sequence: Generation, step: Step) -> Chunk:
@@ -334,9 +344,13 @@ class Batch:
             sequence.close()
 
     def close(self) -> None:
-        for sequence in self.active:
-            sequence.close()
-        self.active = []
+        """The batch is over: the finished answers are kept, the requests still active end."""
+        try:
+            self.keep_answers()
+        finally:
+            for sequence in self.active:
+                sequence.close()
+            self.active = []
 
 
 class _TenantsPool:

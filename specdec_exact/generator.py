@@ -355,6 +355,7 @@ class SpeculativeGenerator:
                 for _, outcome in batch.step():
                     if isinstance(outcome, Exception):
                         raise outcome
+                batch.keep_answers()  # (frees the finished requests' slots for the pending ones)
         finally:
             batch.close()
         return [sequence.output.result() for sequence in sequences]

@@ -81,6 +81,14 @@ FAKE_SERVER = textwrap.dedent('''
 ''')
 
 
+@pytest.fixture(autouse=True)
+def no_settling(monkeypatch):
+    """The stand-in servers do nothing after an answer: no pause after each request (harness.SETTLE_S)."""
+    from benchmarks import harness
+
+    monkeypatch.setattr(harness, "SETTLE_S", 0.0)
+
+
 @pytest.fixture
 def fake(tmp_path) -> Path:
     path = tmp_path / "fake_server.py"

@@ -355,6 +355,48 @@ def test_a_conversation_and_an_agent_loop_answer_as_a_server_without_the_cache_d
     assert [answer["token_ids"] for _, answer in sent] == cold
 
 
+def test_a_served_answer_goes_out_before_it_is_kept_and_the_slots_wait_for_the_keep(smollm, monkeypatch):
+    """A finished answer is kept for the next turn (a pass over its end of message) after its client has it: with the
+    keep held up, the client still gets its answer, a slot taken from the server's pool by another thread meanwhile
+    waits until the keep is done, and the next turn reuses the kept answer. (Kept before the answer went out, as it
+    once was, the request would not return while the keep is held.)"""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from specdec_exact.runtimes.llamacpp.runner import LlamaCppRunner
+    from specdec_exact.server.app import create_app
+
+    model, tokenizer = smollm
+    gen = SpeculativeGenerator(model, "suffix", tokenizer=tokenizer, prompt_cache=64)
+    started, release, keep = threading.Event(), threading.Event(), LlamaCppRunner._keep_answer
+
+    def held_up(runner, answer):
+        started.set()
+        assert release.wait(60)
+        return keep(runner, answer)
+
+    monkeypatch.setattr(LlamaCppRunner, "_keep_answer", held_up)
+    messages = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+    app = create_app(gen, "smollm")
+    pool = app.state.service.scheduler.batch.pool(model)
+    with serve(app) as url, ThreadPoolExecutor(1) as other:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+        answer = chat(client, messages, SETTINGS["greedy"])
+        assert started.wait(10) and not release.is_set()  # the answer is out, its keep under way
+        taking = other.submit(pool.take, gen.vocab_size)
+        time.sleep(0.5)
+        assert not taking.done()
+        release.set()
+        taking.result(timeout=30).close()
+        messages += [{"role": "assistant", "content": answer["text"]}, {"role": "user", "content": QUESTIONS[1]}]
+        next_turn = chat(client, messages, SETTINGS["greedy"])
+    starts = [i for i, token in enumerate(chat_prompt(tokenizer, messages)) if token == model.answer_start[0]]
+    assert next_turn["cached"] > starts[-3] + len(model.answer_start)  # the kept answer's tokens are reused
+
+
 def test_eight_concurrent_conversations_over_a_budget_that_evicts_answer_as_without_the_cache(smollm,
                                                                                              monkeypatch):
     """Hits, evictions and fused passes over several conversations' sequences all happen here (each is checked), and

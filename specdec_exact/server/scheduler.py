@@ -206,6 +206,7 @@ class Scheduler:
             else:
                 self._outgoing.append((ticket, outcome))
         before_next_pass(self._send if self._outgoing else None)
+        self.batch.keep_answers()  # after the finished answers are out: their clients do not wait for it
 
     def _send(self) -> None:
         """Hand the chunks kept back to their requests' event loops."""

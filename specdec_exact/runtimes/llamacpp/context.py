@@ -8,6 +8,7 @@ cache copied byte for byte, not recomputed), so one long generation does not res
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import weakref
@@ -198,6 +199,11 @@ def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, in
     return rows
 
 
+# How long taking a pool's slots from another thread waits for what the batch before still does with them: keeping its
+# last answers for their next turns after their clients have them (Batch.keep_answers), a pass each (~50 ms measured)
+RELEASE_WAIT_S = 10.0
+
+
 class SlotPool:
     """Sequence slots of one context of a model, handed to runners (take) and taken back (LlamaCppRunner.close).
 
@@ -219,6 +225,11 @@ class SlotPool:
         self.context = Context(model, size, n_seq=sequences)
         self._free = list(range(sequences))
         self._holders: dict[int, weakref.ref] = {}
+        # A runner keeping its answer for the next turn may still pass over its slot after its client has the
+        # answer (Batch.keep_answers), in the thread of the batch that served it: whoever takes this pool's slots
+        # from another thread waits for that first (take, LlamaCppModel.pool)
+        self._keeping = 0
+        self._changed = threading.Condition()  # notified as slots come back and as keeping ends
 
     @property
     def free(self) -> int:
@@ -229,26 +240,46 @@ class SlotPool:
     def idle(self) -> bool:
         return len(self._free) == self.sequences
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait up to timeout seconds for every slot to come back -> whether they all did."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.idle, timeout)
+
+    @contextlib.contextmanager
+    def keeping(self):
+        """A runner of this pool keeps its answer for the next turn within this block (LlamaCppRunner.keep_answer)."""
+        with self._changed:
+            self._keeping += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._keeping -= 1
+                self._changed.notify_all()
+
     def take(self, vocab_size: int, tenant: str | None = None) -> LlamaCppRunner:
         """A runner on the lowest free slot: the sequences in use stay consecutive where they can, so that a fused
         pass over them runs as few sub-passes (LlamaCppModel.fused_pass_cost). Its prompts are reused from and cached
         in the prompt cache for this tenant's runners alone."""
         from specdec_exact.runtimes.llamacpp.runner import LlamaCppRunner
 
-        if not self._free and self.takeover:
-            for holder in list(self._holders.values()):
-                runner = holder()
-                if runner is not None:
-                    runner.evict("another sequence took over this model's llama.cpp context; start a new runner")
-        if not self._free:
-            raise RuntimeError(f"all {self.sequences} sequence slots of this pool are in use: "
-                               "close a runner first (or make a pool with more)")
-        if not self.context.alive:
-            raise RuntimeError("this pool was closed; make a new one")
-        seq = min(self._free)
-        self._free.remove(seq)
-        runner = LlamaCppRunner(self, seq, vocab_size, tenant)
-        self._holders[seq] = weakref.ref(runner)
+        with self._changed:  # (a runner keeping its answer reads its refusal once this lock lets it: keeping)
+            if not self._changed.wait_for(lambda: not self._keeping, RELEASE_WAIT_S):
+                raise RuntimeError(f"an answer of this pool was still being kept after {RELEASE_WAIT_S:g} s")
+            if not self._free and self.takeover:
+                for holder in list(self._holders.values()):
+                    runner = holder()
+                    if runner is not None:
+                        runner.evict("another sequence took over this model's llama.cpp context; start a new runner")
+            if not self._free:
+                raise RuntimeError(f"all {self.sequences} sequence slots of this pool are in use: "
+                                   "close a runner first (or make a pool with more)")
+            if not self.context.alive:
+                raise RuntimeError("this pool was closed; make a new one")
+            seq = min(self._free)
+            self._free.remove(seq)
+            runner = LlamaCppRunner(self, seq, vocab_size, tenant)
+            self._holders[seq] = weakref.ref(runner)
         return runner
 
     def give(self, seq: int) -> None:
@@ -256,8 +287,10 @@ class SlotPool:
         if self.context.alive:
             self.context.remove(seq, 0)
         self._holders.pop(seq, None)
-        if seq not in self._free:
-            self._free.append(seq)
+        with self._changed:
+            if seq not in self._free:
+                self._free.append(seq)
+            self._changed.notify_all()
 
     def context_for(self, needed: int) -> Context:
         """The context, grown first if one sequence needs `needed` tokens (a pool of one only)."""
@@ -300,9 +333,11 @@ class SlotPool:
         return outputs
 
     def close(self) -> None:
-        """Free the context; runners still holding slots refuse to run."""
-        for holder in list(self._holders.values()):
-            runner = holder()
-            if runner is not None:
-                runner.evict("this runner's pool was closed; start a new runner")
-        self.context.free()
+        """Free the context (once no answer is being kept in it); runners still holding slots refuse to run."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._keeping, RELEASE_WAIT_S)
+            for holder in list(self._holders.values()):
+                runner = holder()
+                if runner is not None:
+                    runner.evict("this runner's pool was closed; start a new runner")
+            self.context.free()

@@ -13,7 +13,7 @@ from specdec_exact.prompt_cache import PromptCache
 from specdec_exact.runtimes.base import PassCosts
 from specdec_exact.runtimes.llamacpp import calibration, kv_blocks
 from specdec_exact.runtimes.llamacpp.context import (DEFAULT_KV_CACHE, INITIAL_CONTEXT, KV_CACHE_BYTES, KV_CACHE_TYPES,
-                                                     Context, SlotPool)
+                                                     RELEASE_WAIT_S, Context, SlotPool)
 from specdec_exact.runtimes.llamacpp.kernels import LLAMA_CPP as LLAMA_CPP_KERNELS
 from specdec_exact.runtimes.llamacpp.kernels import KernelPlan
 from specdec_exact.runtimes.llamacpp.layouts import choose_layouts
@@ -350,7 +350,7 @@ class LlamaCppModel:
         if pool is not None and pool.context.alive and (pool.sequences, pool.max_length) == (sequences, length):
             pool.prompt_cache = prompt_cache
             return pool
-        if pool is not None and kind == "batch" and not pool.idle:
+        if pool is not None and kind == "batch" and not pool.wait_idle(RELEASE_WAIT_S):
             raise RuntimeError(f"the model's batch of {pool.sequences} sequences is in use: it cannot be made again "
                                f"for {sequences}")
         if pool is not None:

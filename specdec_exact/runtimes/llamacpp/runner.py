@@ -217,7 +217,12 @@ class LlamaCppRunner:
         entries came from one-token passes and passes of the exact verify width, which is how a prompt's answer
         segments are prefilled (plan_passes). The template's end of the message (the model's answer_end) is
         evaluated first. -> tokens cached (0 where there is no cache, no answer to cut, or the cache is gone).
-        Call it before close()."""
+        Call it before close(). Another thread taking this pool's slots waits until it is done (SlotPool.keeping: the
+        batch that served the answer keeps it after the client has it)."""
+        with self.pool.keeping():  # (the refusal is read within: a takeover either waits for this or came before)
+            return self._keep_answer(answer)
+
+    def _keep_answer(self, answer: list[int]) -> int:
         model, cache = self.model, self.pool.prompt_cache
         if (self._refusal is not None or cache is None or not cache.enabled or model.answer_end is None
                 or model.kv_format is None):
