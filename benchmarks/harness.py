@@ -38,9 +38,9 @@ from specdec_exact.llama_server import llama_server_argv as _llama_server_argv
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "server_prompts.json"
 KINDS = ("code-edit", "document-qa", "chat", "maths", "translation", "summary")
 # A pause after each measured request (a turn, a burst) before the next server's: a server may go on working a moment
-# after its answer is out (specdec keeps a chat answer for the conversation's next turn, a pass of ~50 ms:
-# Batch.keep_answers), which the next request, to another server, must not pay for. The same for every server, and
-# outside every timing.
+# after its answer is out (specdec keeps a chat answer for the conversation's next turn, a pass of 44-53 ms on a
+# 2-core Zen 4: Batch.keep_answers), which the next request, to another server, must not pay for. The same for every
+# server, and outside every timing.
 SETTLE_S = 0.5
 
 

@@ -316,9 +316,9 @@ class Batch:
     def keep_answers(self) -> None:
         """Cache the answers of the requests that finished in the last step for their conversations' next turns,
         then free their slots. Keeping one is a target pass over its last token and the template's end of message
-        (LlamaCppRunner.keep_answer: 40-50 ms on a 2-core Zen 4), which its client need not wait for: a caller that
-        hands the finished chunks out first (the server's scheduler, a stream) calls this after; the next step()
-        and close() call it in any case."""
+        (LlamaCppRunner.keep_answer: 2-3 tokens, 44-53 ms on a 2-core Zen 4, docs/prefill-passes-zen4), which its
+        client need not wait for: a caller that hands the finished chunks out first (the server's scheduler, a
+        stream) calls this after; the next step() and close() call it in any case."""
         while self._finished:
             sequence = self._finished.pop(0)
             try:
