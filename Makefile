@@ -79,8 +79,8 @@ demo:
 	@if ! $(MAKE) --no-print-directory -q $(CALIBRATED); then \
 		$(MAKE) --no-print-directory -j2 $(VENV)/.llama-cpp pull-gguf && $(MAKE) --no-print-directory calibrate; fi
 	$(BIN)/specdec-exact generate --chat --compare --compare-rounds 1 --max-new-tokens 128 --prompt-file $(DEMO_PROMPT)
-	@echo "(Where an answer copies little of its prompt, as in open chat or maths, specdec decodes at llama-server's"
-	@echo " speed, no faster: BENCHMARKS.md has every kind of prompt, measured side by side.)"
+	@echo "(Where an answer copies little of its prompt, as in open chat or maths, speculation gains little over"
+	@echo " specdec's own target-only decoding: BENCHMARKS.md has every kind of prompt, measured side by side.)"
 	@if [ ! -x $(LLAMA_SERVER_DIR)/llama-server ]; then \
 		echo "Building upstream llama-server in the background, at the lowest priority (5-10 minutes on 2 cores, once;"; \
 		echo " log: $(LLAMA_SERVER_DIR).log): the next make demo compares with it."; \
