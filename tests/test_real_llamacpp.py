@@ -75,7 +75,9 @@ def test_a_draft_with_another_tokenizer_keeps_greedy_output_identical(pair, refe
         if os.environ.get("SPECDEC_REQUIRE_REAL_MODELS"):
             pytest.fail(message)
         pytest.skip(message)
-    gen = SpeculativeGenerator(speculative.target, CROSS_DRAFT, k=k, tokenizer=speculative.tokenizer)
+    # keep_draft: "auto" leaves out a draft model whose step cannot pay on this CPU (SmolLM2's was 0.53 of a target
+    # step on a 2-core Zen 4), and this test is of the drafts it makes across vocabularies, under either k policy
+    gen = SpeculativeGenerator(speculative.target, CROSS_DRAFT, k=k, tokenizer=speculative.tokenizer, keep_draft=True)
     assert gen.cross_vocabulary is not None
     drafted = 0
     for prompt, ref in references.items():
