@@ -24,14 +24,16 @@ MODEL = "tiny-qwen2"
 CLIENTS = 16
 SOAK_S = 12.0
 # The server's request timeout. The long request below cannot finish within it, and a short one finishes well within
-# it even on a busy machine: a short one takes about 6 cycles, the long one (the end of text barred) about 320, each
-# cycle shared with the batch's other requests (on this suite's 2-core machine, beside another test process: the long
-# one alone 3.0 s, a short one 0.05 s, and with 2 s of timeout a slow run timed short ones out)
-TIMEOUT_S = 4.0
+# it even on a busy machine: a short one takes about 6 cycles, the long one (the end of text barred) about 1,300, each
+# cycle shared with the batch's other requests. On this suite's 2-core machine, beside another test process, a cycle
+# took ~9 ms alone (the long one of ~320 cycles 3.0 s, a short one 0.05 s), and short requests still timed out, queued
+# behind the batch, with 2 s of timeout, and again with 4 s (5 of ~200, in make test on a Zen 4): 8 s, with a long
+# request of ~12 s alone
+TIMEOUT_S = 8.0
 PROMPTS = ["ab", "hello", "xyz", "abcabc", "qwerty", "lorem ipsum"]
-LONG = {"prompt": "z", "max_tokens": 1000, "temperature": 1.0, "seed": 5,
+LONG = {"prompt": "z", "max_tokens": 4000, "temperature": 1.0, "seed": 5,
         "logit_bias": {str(char_tokenizer().eos_token_id): -100}}
-CONTEXT = 1024  # the tiny target's: room for the long request
+CONTEXT = 4096  # the tiny target's: room for the long request
 
 
 def rss_bytes() -> int:
