@@ -195,6 +195,20 @@ def test_a_segment_runs_in_the_prefill_model_from_the_measured_size_and_here_in_
         (0, 20, False), (20, 60, False), (60, 200, False)]  # no prefill model: a segment in one pass here
     assert all(end - begin <= MAX_WIDTH for begin, end, away in plan_passes(
         list(range(203)), segments, 0, lambda position: 2, 1000) if not away)
+    # Segments of the prefill model of 64+ tokens share passes (up to BATCH), a shorter one keeps its own, and a
+    # segment here or an answer's breaks the run
+    segments = [(20, False), (120, False), (248, False), (300, False), (400, False), (420, False), (440, True),
+                (540, False), (640, False)]
+    passes = plan_passes(list(range(640)), segments, 0, lambda position: 2, 45, 64)
+    assert [p for p in passes if p[2]] == [(20, 248, True), (248, 300, True), (300, 400, True), (440, 640, True)]
+    assert plan_passes(list(range(640)), segments, 20, lambda position: 2, 45, 64)[0] == (20, 248, True)
+    assert [p for p in plan_passes(list(range(640)), segments, 0, lambda position: 2, 45, None) if p[2]][:2] == [
+        (20, 120, True), (120, 248, True)]  # (no merging: one pass a segment)
+    long = [(200 * i, False) for i in range(1, 6)]
+    assert [end - begin for begin, end, _ in plan_passes(list(range(1000)), long, 0, lambda p: 2, 45, 64)] == [
+        400, 400, 200]  # at most BATCH a pass
+    assert plan_passes(list(range(640)), segments, 0, lambda position: 2, None, 64)[:2] == [
+        (0, 20, False), (20, 248, False)]  # no prefill model: merged here
     # (here, prefill model) seconds per size -> the size from which the prefill model is faster
     assert split_size({32: {"here": 0.34, "prefill_model": 0.39}, 64: {"here": 0.68, "prefill_model": 0.61}}) == 46
     assert split_size({32: {"here": 0.5, "prefill_model": 0.3}}) == PREFILL_MIN_TOKENS

@@ -56,7 +56,7 @@ def step_settings(threads: int, kv_cache: str) -> str:
 # measure_kernel_plan checks, per width, for the plan in force: LlamaCppModel.plan_exact_width caps these), and the
 # plan touches no attention. So they are measured once per model file, build, CPU, cache type and weight layout, and a
 # new --threads value or plan does not measure them again.
-EXACTNESS_KINDS = ("batch-shapes",)
+EXACTNESS_KINDS = ("batch-shapes", "pass-merging")
 
 
 def cached(model: LlamaCppModel, kind: str, measure) -> dict:
@@ -250,6 +250,83 @@ def measure_prefill_split(model: LlamaCppModel, sizes=PREFILL_SPLIT_SIZES, repea
         for _, context in contexts.values():
             context.free()
     return {"seconds": {str(n): by for n, by in medians.items()}, "min_tokens": split_size(medians)}
+
+
+def measure_tiled_columns(model: LlamaCppModel, repeats: int = 3) -> dict:
+    """Seconds of a pass over two prompt blocks (2 x PREFILL_BLOCK tokens after 16 cached) with ggml's tiled kernels keeping whole
+    column windows and cutting them as released (kernels.apply_tiled_whole_columns), interleaved, medians of
+    `repeats` -> {"seconds": {"whole", "as_released"}, "whole_columns": whether whole windows were faster}. The two
+    give the same results bit for bit, so this chooses a speed, never an output."""
+    import statistics
+    import time
+
+    from specdec_exact.runtimes.llamacpp.context import PREFILL_BLOCK, Context, evaluate
+
+    prefix = CALIBRATION_CONTEXTS[0]
+    tokens = probe_tokens(model, prefix + 2 * PREFILL_BLOCK)[0].tolist()  # (two blocks: what a merged pass holds)
+    context = Context(model, len(tokens))
+
+    def seconds(whole: bool) -> float:
+        model._whole_columns = whole  # (what evaluate applies to the pass)
+        context.remove(0, prefix)
+        started = time.perf_counter()
+        evaluate(model, context, [(0, i, tokens[i], i == len(tokens) - 1) for i in range(prefix, len(tokens))])
+        return time.perf_counter() - started
+
+    times: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        evaluate(model, context, [(0, i, tokens[i], i == prefix - 1) for i in range(prefix)])
+        seconds(True)  # a first pass warms the caches
+        for _ in range(repeats):
+            for whole in (False, True):
+                times[whole].append(seconds(whole))
+    finally:
+        model._whole_columns = None
+        context.free()
+    medians = {whole: statistics.median(t) for whole, t in times.items()}
+    return {"seconds": {"whole": medians[True], "as_released": medians[False]},
+            "whole_columns": medians[True] < medians[False]}
+
+
+MERGE_CANDIDATES = (64, 128)  # the pass sizes from which merging is tried, smallest first (64: ggml's attention tile)
+
+
+def measure_pass_merging(model: LlamaCppModel, candidates=MERGE_CANDIDATES) -> dict:
+    """Whether passes of at least m tokens give every token the same logits bit for bit however a prompt is cut into
+    them: 2 x PREFILL_BLOCK tokens after 16 cached, every row's logits, in one pass (whole tiled column windows) and
+    in passes of m tokens and in two uneven ones (m + 37 and the rest, windows cut as released), for each candidate m
+    in turn -> {"merge_from": the first m that passed (None: none did, every segment keeps a pass of its own),
+    "checked": {m: whether it passed}}. A pass of fewer tokens takes other kernels on some paths (ggml's attention
+    sweeps up to 63 query rows one by one and tiles 64 or more), which is why no merging is tried below 64."""
+    import numpy as np
+
+    from specdec_exact.runtimes.llamacpp.context import PREFILL_BLOCK, Context, evaluate
+
+    prefix = CALIBRATION_CONTEXTS[0]
+    tokens = probe_tokens(model, prefix + 2 * PREFILL_BLOCK)[0].tolist()
+    context = Context(model, len(tokens))
+
+    def logits(cuts: list[int], whole: bool) -> np.ndarray:
+        model._whole_columns = whole
+        context.remove(0, prefix)
+        bounds = [prefix, *cuts, len(tokens)]
+        return np.concatenate([evaluate(model, context, [(0, i, tokens[i], True) for i in range(begin, end)])
+                               for begin, end in zip(bounds, bounds[1:])])
+
+    checked: dict[str, bool] = {}
+    saved = model._whole_columns
+    try:
+        evaluate(model, context, [(0, i, tokens[i], False) for i in range(prefix)])
+        one = logits([], True)
+        for m in candidates:
+            even = list(range(prefix + m, len(tokens) - m + 1, m))
+            checked[str(m)] = all(np.array_equal(one, logits(cuts, False)) for cuts in (even, [prefix + m + 37]))
+            if checked[str(m)]:
+                break
+    finally:
+        model._whole_columns = saved
+        context.free()
+    return {"merge_from": next((int(m) for m, same in checked.items() if same), None), "checked": checked}
 
 
 def split_size(medians: dict[int, dict[str, float]]) -> int:

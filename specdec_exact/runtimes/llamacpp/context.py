@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from specdec_exact.runtimes.base import pass_starts
-from specdec_exact.runtimes.llamacpp.kernels import apply_attention_split
+from specdec_exact.runtimes.llamacpp.kernels import MAX_WIDTH, apply_attention_split, apply_tiled_whole_columns
 from specdec_exact.runtimes.llamacpp.library import library, recent_problems
 
 if TYPE_CHECKING:
@@ -172,6 +172,7 @@ def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, in
     which its next pass overwrites). If it fails, every sequence in it is cut back to where its tokens start (the
     cache may hold part of the batch), so that its runner stays consistent."""
     plan = model.kernel_plan  # (its first use calibrates it, with passes of its own: before taking the lock)
+    whole_columns = model.tiled_whole_columns if len(entries) > MAX_WIDTH else None  # (the kernel plan's widths: no)
     lib, batch, n_vocab = context.lib, context.batch, model.n_vocab
     for i, (seq, position, token, want) in enumerate(entries):
         batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, position, 1, want
@@ -181,6 +182,8 @@ def evaluate(model: LlamaCppModel, context: Context, entries: list[tuple[int, in
     with PASS_LOCK:  # the plan is one setting of the library: no other thread's pass may change it mid-pass
         plan.apply()
         apply_attention_split(model.attention_split)
+        if whole_columns is not None:
+            apply_tiled_whole_columns(whole_columns)
         recent_problems()  # (what llama.cpp reports from here on is this pass's)
         status = lib.llama_decode(context.ctx, batch)
     if status != 0:

@@ -129,6 +129,11 @@ def loaded_library() -> ctypes.CDLL:
                            "`make setup`, which builds the current one for this CPU")
     library.ggml_cpu_set_flash_attn_split.argtypes = [ctypes.c_int]
     library.ggml_cpu_set_flash_attn_split.restype = None
+    if not hasattr(library, "ggml_cpu_set_tiled_whole_columns"):
+        raise RuntimeError("the installed llama-cpp-python has an older build of specdec's kernel patch (native/): run "
+                           "`make setup`, which builds the current one for this CPU")
+    library.ggml_cpu_set_tiled_whole_columns.argtypes = [ctypes.c_int]
+    library.ggml_cpu_set_tiled_whole_columns.restype = None
     return library
 
 
@@ -144,6 +149,22 @@ def apply_attention_split(split: bool) -> None:
     if _attention_split is not split:
         loaded_library().ggml_cpu_set_flash_attn_split(int(split))
         _attention_split = split
+
+
+_whole_columns: bool | None = None  # what the library was last told (None: nothing yet, it cuts as released)
+
+
+def apply_tiled_whole_columns(whole: bool) -> None:
+    """Whether the library's next wide passes through ggml's tiled K-quant kernels keep their tokens in column windows
+    of up to 256, cutting only the weight rows between threads, or cut both as released
+    (native/llama.cpp-verify-columns.patch, ggml_cpu_set_tiled_whole_columns). Each window unpacks every weight block
+    of its rows once, so a pass of 129-256 tokens cut into two windows unpacks the weights twice. Either way each
+    output is the same sum in the same order: the results are equal bit for bit, only the time differs. A no-op when
+    the library already does."""
+    global _whole_columns
+    if _whole_columns is not whole:
+        loaded_library().ggml_cpu_set_tiled_whole_columns(int(whole))
+        _whole_columns = whole
 
 
 def multi_column_kernels() -> bool:

@@ -101,6 +101,7 @@ class LlamaCppModel:
         self._self_test_failed = False  # (self_test): then every pass the engine verifies holds one token
         self._self_tested = False  # prepare_as_target runs the self-test once per load, however many generators
         self._kernel_plan: KernelPlan | None = None
+        self._whole_columns: bool | None = None  # (tiled_whole_columns: measured by prepare)
         self._exact_widths: tuple[tuple, dict[int, int]] | None = None  # (exact_widths: what it was computed from)
         # How its sequence states lay out their rows, for the prompt cache's blocks (kv_blocks.split learns it)
         self.kv_format: kv_blocks.StateFormat | None = None
@@ -189,6 +190,30 @@ class LlamaCppModel:
         return self._calibrated("prefill-split", calibration.measure_prefill_split)["min_tokens"]
 
     @property
+    def tiled_whole_columns(self) -> bool:
+        """Whether this model's passes of more than MAX_WIDTH tokens keep their tokens in whole column windows of
+        ggml's tiled kernels (kernels.apply_tiled_whole_columns: the same results bit for bit, in less time where a
+        pass would otherwise unpack its weights more than once): what prepare() measured faster on this machine
+        (calibration.measure_tiled_columns); as released (False) until then, so that no request waits for the timing."""
+        return bool(self._whole_columns)
+
+    def measure_tiled_columns(self) -> bool:
+        """Time this model's prompt blocks with whole column windows and cut as released, once per machine (cached),
+        and keep the faster -> tiled_whole_columns."""
+        if self._whole_columns is None:
+            self._whole_columns = self._calibrated("tiled-columns", calibration.measure_tiled_columns)["whole_columns"]
+        return self._whole_columns
+
+    @property
+    def merges_passes_from(self) -> int | None:
+        """The fewest tokens a prompt segment may have to share a pass with the segments around it (in the model that
+        runs a prompt's long segments: the prefill model, or this one where there is none): where passes of that many
+        tokens or more were found to give every token the same logits however a prompt is cut into them
+        (calibration.measure_pass_merging), else None (one pass per segment)."""
+        there = self.prefill_model or self
+        return there._calibrated("pass-merging", calibration.measure_pass_merging)["merge_from"]
+
+    @property
     def batch_calibration(self) -> dict:
         """What calibration.measure_batch_width found: the exact batch width, whether prompts prefill exactly in
         slots, the contexts checked."""
@@ -219,9 +244,11 @@ class LlamaCppModel:
     def prepare(self) -> None:
         """Calibrate what its passes need (the kernel plan, which times the pass costs, and where prompts run in the
         prefill model) now, not inside the first request (a prompt's prefill would wait for the prefill split's
-        timing)."""
+        timing, and how its prompt blocks cut their work between threads)."""
         self.kernel_plan
         self.prefill_min_tokens
+        (self.prefill_model or self).measure_tiled_columns()  # (whichever runs a prompt's blocks)
+        self.merges_passes_from
 
     def prepare_as_target(self) -> None:
         """Calibrate what a target needs (its exact verify and batch widths) now, not inside the first request, and

@@ -25,22 +25,33 @@ PREFILL_MIN_TOKENS = MAX_WIDTH + 1
 
 
 def plan_passes(tokens: list[int], segments: list[tuple[int, bool]], start: int, width_at,
-                elsewhere_from: int | None) -> list[tuple[int, int, bool]]:
+                elsewhere_from: int | None, merge_from: int | None = None) -> list[tuple[int, int, bool]]:
     """The passes that prefill tokens[start:] -> (begin, end, whether it runs in the prefill model): an answer's
     segments in pieces of width_at(position) tokens at most (the exact verify width); a segment of elsewhere_from
     tokens or more in one pass in the prefill model (None: there is none); a shorter one here, in pieces of MAX_WIDTH
-    tokens at most where there is a prefill model (one pass otherwise). `start` is the end of a segment (or 0)."""
+    tokens at most where there is a prefill model (one pass otherwise). Consecutive segments of the prefill model of
+    merge_from tokens or more each that run in one pass (in the prefill model, or here where there is none) share
+    passes of up to BATCH tokens (None: never), where that model's passes of that many tokens give the same results
+    however they are cut (LlamaCppModel.merges_passes_from): a cold prompt then runs in fewer passes than its
+    segments, and each segment's cache entries are still those of a pass of its own.
+    `start` is the end of a segment (or 0)."""
     passes, begin = [], 0
+    joinable = False  # whether the last pass holds only prefill-model segments of merge_from tokens or more
     for end, answer in segments:
         if end > start:
-            if answer or (elsewhere_from is not None and end - begin < elsewhere_from):
+            wide = not answer and (elsewhere_from is None or end - begin >= elsewhere_from)  # one pass of its own
+            long = wide and merge_from is not None and end - begin >= merge_from
+            if not wide:
                 position = begin
                 while position < end:
                     step = min(end, position + max(1, width_at(position) if answer else MAX_WIDTH))
                     passes.append((position, step, False))
                     position = step
+            elif long and joinable and end - passes[-1][0] <= BATCH:
+                passes[-1] = (passes[-1][0], end, passes[-1][2])
             else:
                 passes.append((begin, end, elsewhere_from is not None))
+            joinable = long
         begin = end
     return passes
 
@@ -149,7 +160,7 @@ class LlamaCppRunner:
         # Fewer new tokens than any segment the prefill model takes run here whatever its calibration says: the kernel
         # plan's own timing prefills 16 tokens, and must not calibrate the split under the plan it is choosing.
         elsewhere = model.prefill_min_tokens if len(tokens) - start >= PREFILL_MIN_TOKENS else None
-        passes = plan_passes(tokens, segments, start, self.verify_width, elsewhere)
+        passes = plan_passes(tokens, segments, start, self.verify_width, elsewhere, model.merges_passes_from)
         try:
             if reused:
                 context.load_state(kv_blocks.join(model.kv_format, reused, n_seq), self.seq)
