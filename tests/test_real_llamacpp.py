@@ -490,3 +490,54 @@ def test_a_five_turn_conversation_through_the_server_answers_as_a_server_without
     assert sum(answer["cached"] > 0 for answer in answers[1024]) >= 4
     assert all(answer["cached"] == 0 for answer in answers[0])
     assert [a["token_ids"] for a in answers[1024]] == [a["token_ids"] for a in answers[0]]
+
+
+def test_long_segments_merged_into_shared_passes_prefill_the_logits_of_a_pass_each_and_short_ones_are_caught(
+        pair, monkeypatch):
+    """A cold prompt whose long segments share passes (as the pass-merging calibration allows) gives the last token's
+    logits of one pass per segment, and a warm prompt through the cache those of the cold one. Negative controls: the
+    calibration's check fails for passes of 32 tokens (ggml's attention sweeps fewer than 64 query rows one by one),
+    and a plan that also sends short segments to the prefill model and merges them gives other logits, which the
+    comparison catches."""
+    from specdec_exact.prompt_cache import PromptCache
+    from specdec_exact.runtimes.llamacpp import calibration
+    from specdec_exact.runtimes.llamacpp import runner as runner_module
+
+    speculative, _ = pair
+    model, tokenizer = speculative.target, speculative.tokenizer
+    there = model.prefill_model or model
+    assert calibration.measure_pass_merging(there, candidates=(32,))["merge_from"] is None
+    merge_from = model.merges_passes_from
+    if merge_from is None:
+        pytest.skip("on this machine passes of 64 or 128 tokens give other logits when a prompt is cut otherwise")
+    planned = runner_module.plan_passes
+    tokens = conversation_prompts(tokenizer, 5)[-1]
+    merged = planned(tokens, prefill_segments_of(model, tokens), 0, lambda position: 1, model.prefill_min_tokens,
+                     merge_from)
+    assert len(merged) < len(planned(tokens, prefill_segments_of(model, tokens), 0, lambda position: 1,
+                                     model.prefill_min_tokens, None))  # (this prompt has passes to merge)
+
+    def plan(merge_from):
+        return lambda tokens, segments, start, width_at, elsewhere, _=None: planned(
+            tokens, segments, start, width_at, elsewhere, merge_from)
+
+    cold, _ = prefill_through(model, tokens, None)
+    with monkeypatch.context() as patch:
+        patch.setattr(runner_module, "plan_passes", plan(None))
+        alone, _ = prefill_through(model, tokens, None)
+    assert torch.equal(cold, alone)
+    cache = PromptCache(2**28)
+    prefill_through(model, tokens[:len(tokens) * 2 // 3], cache)
+    warm, reused = prefill_through(model, tokens, cache)
+    assert reused > 0 and torch.equal(warm, cold)
+    with monkeypatch.context() as patch:
+        patch.setattr(runner_module, "plan_passes", plan(16))
+        patch.setattr(model, "_prefill_min_tokens", 17)  # (short segments in the prefill model too)
+        wrong, _ = prefill_through(model, tokens, None)
+    assert not torch.equal(wrong, cold)
+
+
+def prefill_segments_of(model, tokens: list[int]) -> list[tuple[int, bool]]:
+    from specdec_exact.runtimes.llamacpp.context import prefill_segments
+
+    return prefill_segments(tokens, model.segment_marks, model.answer_start)

@@ -160,7 +160,9 @@ class LlamaCppRunner:
         # Fewer new tokens than any segment the prefill model takes run here whatever its calibration says: the kernel
         # plan's own timing prefills 16 tokens, and must not calibrate the split under the plan it is choosing.
         elsewhere = model.prefill_min_tokens if len(tokens) - start >= PREFILL_MIN_TOKENS else None
-        passes = plan_passes(tokens, segments, start, self.verify_width, elsewhere, model.merges_passes_from)
+        # Segments share passes only in a pool of one: in a batch, the other sequences wait at most one segment's pass
+        merge_from = model.merges_passes_from if self.pool.sequences == 1 else None
+        passes = plan_passes(tokens, segments, start, self.verify_width, elsewhere, merge_from)
         try:
             if reused:
                 context.load_state(kv_blocks.join(model.kv_format, reused, n_seq), self.seq)
