@@ -23,12 +23,11 @@ from conftest import char_tokenizer, close_draft, serve, tiny_model
 MODEL = "tiny-qwen2"
 CLIENTS = 16
 SOAK_S = 12.0
-# The server's request timeout. The long request below cannot finish within it, and a short one finishes well within
-# it even on a busy machine: a short one takes about 6 cycles, the long one (the end of text barred) about 1,300, each
-# cycle shared with the batch's other requests. On this suite's 2-core machine, beside another test process, a cycle
-# took ~9 ms alone (the long one of ~320 cycles 3.0 s, a short one 0.05 s), and short requests still timed out, queued
-# behind the batch, with 2 s of timeout, and again with 4 s (5 of ~200, in make test on a Zen 4): 8 s, with a long
-# request of ~12 s alone
+# The server's request timeout. The long request below (the end of text barred, up to 4,000 tokens) cannot finish
+# within it, and a short one (about 6 cycles) finishes well within it even on a busy machine, each cycle shared with
+# the batch's other requests. On this suite's 2-core machine, beside another test process, short requests queued
+# behind the batch timed out with 2 s of timeout, and again with 4 s (5 of ~200, in make test on a Zen 4, family 25
+# model 17, when the long request was up to 1,000 tokens)
 TIMEOUT_S = 8.0
 PROMPTS = ["ab", "hello", "xyz", "abcabc", "qwerty", "lorem ipsum"]
 LONG = {"prompt": "z", "max_tokens": 4000, "temperature": 1.0, "seed": 5,
