@@ -377,7 +377,7 @@ def prefills_in_passes_of(monkeypatch, width: int):
     its slots reuse (what a cache that reused such entries would hand to later prompts)."""
     from specdec_exact.runtimes.llamacpp import runner as runner_module
 
-    def cut_otherwise(tokens, segments, start, width_at, elsewhere, merge_from=None):
+    def cut_otherwise(tokens, segments, start, width_at, elsewhere, merge_from=None, most=None):
         return [(begin, min(begin + width, len(tokens)), False) for begin in range(start, len(tokens), width)]
 
     with monkeypatch.context() as patch:

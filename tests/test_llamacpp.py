@@ -689,6 +689,59 @@ def test_a_long_prompt_is_read_a_pass_per_step_beside_the_batch_and_can_leave_mi
     assert again.output.result().token_ids == baseline.generate(other, chat=True, max_new_tokens=12).token_ids
     batch.close()
 
+def test_a_prompt_read_alone_in_a_batch_merges_its_long_segments_where_the_calibration_found_that_exact(
+        gguf_path, model, baseline, monkeypatch):
+    """A request alone in a batch reads its prompt's long segments in shared passes of up to MERGED_IN_BATCH tokens
+    (fewer steps than segments) where calibration.measure_slot_merging found that a prompt read so in a slot gives
+    the logits and cache of one read a pass per segment alone, and its answer is that of the request alone. (A
+    request that joins a batch beside another reads a pass per segment: the chunked prefill test above.) Negative
+    control: the calibration's check fails for a plan that also merges short segments."""
+    from specdec_exact.batching import Batch
+    from specdec_exact.runtimes.llamacpp import calibration
+    from specdec_exact.runtimes.llamacpp import runner as runner_module
+
+    target, tokenizer = model
+    two = llamacpp.LlamaCppModel(gguf_path, threads=1, repack=target.repack, prefill_repack=target.repack,
+                                 prefill_min_tokens=48)
+    if two.merges_passes_from is None:
+        pytest.skip("on this machine this model's passes of 64+ tokens give other logits when a prompt is cut "
+                    "otherwise: no segments are merged")
+    found = calibration.measure_slot_merging(two)
+    assert found["exact"] and found["passes"]["merged in a slot"] < found["passes"]["one per segment"]
+    planned = runner_module.plan_passes
+
+    def merging_short_ones(tokens, segments, start, width_at, elsewhere, merge_from=None, most=None):
+        return planned(tokens, segments, start, width_at, elsewhere, 16 if merge_from else None, most)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner_module, "plan_passes", merging_short_ones)
+        patch.setattr(two, "_prefill_min_tokens", 17)  # (short segments in the prefill model too)
+        assert not calibration.measure_slot_merging(two)["exact"]
+
+    gen = SpeculativeGenerator(two, "suffix", tokenizer=tokenizer)  # (its load calibrates slot-merging)
+    assert two.merges_in_slots
+    messages = [{"role": "user", "content": "Go on: " + tokenizer.decode(long_text_ids(tokenizer, 420)[0])}]
+    ids = list(gen.request(messages, chat=True).prompt_ids)
+    runner = two.pool(2).take(two.n_vocab)
+    segments, width_at = runner._segments(ids), runner.verify_width
+    runner.close()
+    separate = planned(ids, segments, 0, width_at, two.prefill_min_tokens)
+    merged = planned(ids, segments, 0, width_at, two.prefill_min_tokens, two.merges_passes_from,
+                     runner_module.MERGED_IN_BATCH)
+    assert len(merged) < len(separate) and max(end - begin for begin, end, _ in merged) <= runner_module.MERGED_IN_BATCH
+    batch = Batch(gen, max_batch=2)
+    alone = batch.add(gen.request(messages, chat=True, max_new_tokens=12))
+    steps = 0
+    while not alone.output.result().token_ids:
+        batch.step()
+        steps += 1
+    assert steps == len(merged)
+    while batch.active:
+        batch.step()
+    assert alone.output.result().token_ids == baseline.generate(messages, chat=True, max_new_tokens=12).token_ids
+    batch.close()
+
+
 def test_the_draft_model_reads_a_long_prompt_a_pass_per_step_beside_the_batch(gguf_path, model, baseline,
                                                                                monkeypatch):
     """With k="auto", a draft model that must catch up on a long prompt reads it a pass per step (ModelDrafter.
@@ -1476,3 +1529,35 @@ def test_a_generator_calibrates_everything_at_load_so_that_no_request_waits_for_
     monkeypatch.setattr(llamacpp.calibration, "cached_json", measured)
     out = gen.generate(long_text_ids(tokenizer, 300), max_new_tokens=8)
     assert len(out.token_ids) == 8
+
+
+def test_one_token_passes_time_every_exact_kernel_in_every_round_so_that_a_burst_drops_none(gguf_path, monkeypatch):
+    """The kernel plan times width 1 (every undrafted decoding step) in kernels.ONE_TOKEN_REPEATS rounds, every exact
+    candidate in each: a first pass slowed by another process's work neither drops that kernel nor counts (the
+    fastest pass does). Negative control: the same burst at width 2 drops the kernel there after its first pass."""
+    import time
+
+    from specdec_exact.runtimes.llamacpp import kernels
+    from specdec_exact.runtimes.llamacpp.runner import LlamaCppRunner
+
+    candidates = kernels.candidates()
+    if len(candidates) < 2:
+        pytest.skip("one candidate kernel on this build: nothing to prune")
+    victim = candidates[1]
+    loaded = llamacpp.LlamaCppModel(gguf_path, threads=1, prefill_min_tokens=64)
+    passes, forward = {1: 0, 2: 0}, LlamaCppRunner.forward
+
+    def bursty(runner, input_ids, last_only=False):
+        width = input_ids.shape[1]
+        if runner.model._kernel_plan == kernels.KernelPlan.uniform(victim) and width in passes:
+            passes[width] += 1
+            if passes[width] == 1:
+                time.sleep(0.5)  # (the first pass of the victim at widths 1 and 2 falls in a burst)
+        return forward(runner, input_ids, last_only)
+
+    monkeypatch.setattr(LlamaCppRunner, "forward", bursty)
+    measured = kernels.measure_kernel_plan(loaded)
+    assert victim.describe() in measured["exact"]["1"]  # (exact, so it stays in the running at width 1)
+    assert passes[1] == kernels.ONE_TOKEN_REPEATS
+    assert measured["pass_s"]["1"][victim.describe()] < 0.5  # its fastest pass, not the burst
+    assert passes[2] == 1  # pruned at width 2 after the burst

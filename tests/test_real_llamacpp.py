@@ -518,7 +518,7 @@ def test_long_segments_merged_into_shared_passes_prefill_the_logits_of_a_pass_ea
                                      model.prefill_min_tokens, None))  # (this prompt has passes to merge)
 
     def plan(merge_from):
-        return lambda tokens, segments, start, width_at, elsewhere, _=None: planned(
+        return lambda tokens, segments, start, width_at, elsewhere, *_: planned(
             tokens, segments, start, width_at, elsewhere, merge_from)
 
     cold, _ = prefill_through(model, tokens, None)

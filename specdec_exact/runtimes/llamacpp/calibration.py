@@ -56,7 +56,7 @@ def step_settings(threads: int, kv_cache: str) -> str:
 # measure_kernel_plan checks, per width, for the plan in force: LlamaCppModel.plan_exact_width caps these), and the
 # plan touches no attention. So they are measured once per model file, build, CPU, cache type and weight layout, and a
 # new --threads value or plan does not measure them again.
-EXACTNESS_KINDS = ("batch-shapes", "pass-merging")
+EXACTNESS_KINDS = ("batch-shapes", "pass-merging", "slot-merging")
 
 
 def cached(model: LlamaCppModel, kind: str, measure) -> dict:
@@ -327,6 +327,41 @@ def measure_pass_merging(model: LlamaCppModel, candidates=MERGE_CANDIDATES) -> d
         model._whole_columns = saved
         context.free()
     return {"merge_from": next((int(m) for m, same in checked.items() if same), None), "checked": checked}
+
+
+def measure_slot_merging(model: LlamaCppModel, slots: int = max(CALIBRATION_WIDTHS)) -> dict:
+    """Whether a prompt read by a sequence alone in a pool of several, its long segments sharing passes as a lone
+    request's do (LlamaCppRunner._run), gives the last token's logits and the cache (every layer's keys and values) of
+    the same prompt read in a pool of one a pass per segment -> {"exact": whether it did, "passes": the passes each
+    took}. The slot is not the first one, and every slot held a sequence before: a server's slots are reused."""
+    from specdec_exact.runtimes.llamacpp.context import PREFILL_BLOCK
+
+    tokens = probe_tokens(model, 3 * PREFILL_BLOCK + 42)[:, 1:]  # three blocks and a short one
+    length = tokens.shape[1]
+    reference = private_runner(model, length)
+    reference.merges = False
+    try:
+        expected = reference.forward(tokens, last_only=True)
+        cache = cache_rows(reference.pool.context.save_state(reference.seq), length)
+        passes = {"one per segment": reference.prefill_passes}
+    finally:
+        reference.close()
+    slots_pool = SlotPool(model, slots, length)
+    try:
+        for runner in [slots_pool.take(model.n_vocab) for _ in range(slots)]:
+            runner.forward(tokens[:, :40])
+            runner.close()
+        first, runner = slots_pool.take(model.n_vocab), slots_pool.take(model.n_vocab)
+        first.close()  # (the runner in the second slot is alone now)
+        runner.merges = True
+        got = runner.forward(tokens, last_only=True)
+        passes["merged in a slot"] = runner.prefill_passes
+        exact = (cache is not None and torch.equal(got, expected)
+                 and cache_rows(slots_pool.context.save_state(runner.seq), length) == cache)
+        runner.close()
+    finally:
+        slots_pool.close()
+    return {"exact": bool(exact), "passes": passes}
 
 
 def split_size(medians: dict[int, dict[str, float]]) -> int:

@@ -34,6 +34,11 @@ PLAN_REPEATS = 3  # timed passes per candidate and width, interleaved; the faste
 # at the price of the first load (EPYC Zen 4, 2 threads, the 1.5B target: 71 s with five rounds and no pruning, 53 s
 # pruned at 1.3 and 1.12, 534 passes for the 0.5B draft in 40 s).
 PLAN_MARGINS = (1.1, 1.05)
+# Width 1 (every answer's decoding passes where nothing is drafted) is timed in this many rounds, every exact candidate
+# in each, none pruned: a one-token pass caught in a burst of another process's work must not drop its kernel. (EPYC
+# Zen 4: a first round's 39.5 ms against llama.cpp's own 32.5 ms pruned the multi-column kernel that 20 interleaved
+# rounds later timed at 32.2 ms against 33.8 ms after 200 cached tokens.)
+ONE_TOKEN_REPEATS = 12
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,8 @@ def candidates() -> list[Kernel]:
 def measure_kernel_plan(model, repeats: int = PLAN_REPEATS) -> dict:
     """Time every candidate kernel at every width 1..MAX_WIDTH after PLAN_PREFIX cached tokens, interleaved (each
     round passes every width under every candidate in turn, so that a busy moment of the machine falls on all of
-    them), and keep per width the fastest candidate whose pass gives every token the logits of llama.cpp's own
+    them; width 1 in ONE_TOKEN_REPEATS rounds, the others in `repeats`, pruned as they go), and keep per width the
+    fastest candidate whose pass gives every token the logits of llama.cpp's own
     one-token passes bit for bit (the first round checks). -> {"plan": KernelPlan.to_json(), "pass_s": {width:
     {kernel: its fastest pass, seconds}}, "exact": {width: [kernels whose pass was exact]}}. The chosen kernels' times
     are the model's pass costs (LlamaCppModel.costs): fastest passes, so that the ratio of two widths is that of two
@@ -208,11 +214,9 @@ def measure_kernel_plan(model, repeats: int = PLAN_REPEATS) -> dict:
         seconds = {width: {kernel: [] for kernel in kernels} for width in range(1, MAX_WIDTH + 1)}
         exact = {width: [] for width in range(1, MAX_WIDTH + 1)}
         timed = {width: list(kernels) for width in range(1, MAX_WIDTH + 1)}  # the candidates still in the running
-        for round_ in progress.each(range(repeats), f"{len(kernels)} kernels timed at widths 1-{MAX_WIDTH}", "round"):
-            if round_:
-                timed = {width: still_running(seconds[width], exact[width], PLAN_MARGINS[min(round_, 2) - 1])
-                         for width in timed}
-            for width in range(1, MAX_WIDTH + 1):
+
+        def time_round(round_: int) -> None:
+            for width in timed:
                 for i in range(len(timed[width])):
                     kernel = timed[width][(i + round_ + width) % len(timed[width])]  # a different order every time
                     model._kernel_plan = KernelPlan.uniform(kernel)
@@ -222,6 +226,17 @@ def measure_kernel_plan(model, repeats: int = PLAN_REPEATS) -> dict:
                     seconds[width][kernel].append(time.perf_counter() - started)
                     if round_ == 0 and torch.equal(logits[0], reference[:width]):
                         exact[width].append(kernel)
+
+        for round_ in progress.each(range(repeats), f"{len(kernels)} kernels timed at widths 1-{MAX_WIDTH}", "round"):
+            if round_:  # (width 1 keeps every exact candidate)
+                margin = PLAN_MARGINS[min(round_, 2) - 1]
+                timed = {width: still_running(seconds[width], exact[width], margin if width > 1 else float("inf"))
+                         for width in timed}
+            time_round(round_)
+        timed = {1: still_running(seconds[1], exact[1], float("inf"))}
+        for round_ in progress.each(range(repeats, ONE_TOKEN_REPEATS), f"{len(timed[1])} kernels' one-token passes "
+                                    "timed again", "round"):
+            time_round(round_)
     finally:
         model._kernel_plan = None
         runner.rollback(0)

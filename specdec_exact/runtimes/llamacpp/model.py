@@ -15,7 +15,7 @@ from specdec_exact.runtimes.llamacpp import calibration, kv_blocks
 from specdec_exact.runtimes.llamacpp.context import (DEFAULT_KV_CACHE, INITIAL_CONTEXT, KV_CACHE_BYTES, KV_CACHE_TYPES,
                                                      RELEASE_WAIT_S, Context, SlotPool)
 from specdec_exact.runtimes.llamacpp.kernels import LLAMA_CPP as LLAMA_CPP_KERNELS
-from specdec_exact.runtimes.llamacpp.kernels import KernelPlan
+from specdec_exact.runtimes.llamacpp.kernels import ONE_TOKEN_REPEATS, KernelPlan
 from specdec_exact.runtimes.llamacpp.layouts import choose_layouts
 from specdec_exact.runtimes.llamacpp.library import default_threads, library, recent_problems
 
@@ -129,8 +129,9 @@ class LlamaCppModel:
         if "kernel-plan" not in self._measured:
             from specdec_exact.runtimes.llamacpp.kernels import measure_kernel_plan
 
-            self._measured["kernel-plan"] = calibration.cached_json(
-                self.path, "kernel-plan", f"{self.threads}|{self.kv_setting}|{self.repack}",
+            self._measured["kernel-plan"] = calibration.cached_json(  # (re-timed where width 1 had fewer rounds)
+                self.path, "kernel-plan",
+                f"{self.threads}|{self.kv_setting}|{self.repack}|one-token rounds {ONE_TOKEN_REPEATS}",
                 lambda: measure_kernel_plan(self),
                 {"threads": self.threads, "kv_cache": self.kv_setting, "repack": self.repack})
         return self._measured["kernel-plan"]
@@ -214,6 +215,14 @@ class LlamaCppModel:
         return there._calibrated("pass-merging", calibration.measure_pass_merging)["merge_from"]
 
     @property
+    def merges_in_slots(self) -> bool:
+        """Whether a sequence alone in a pool of several may merge its prompt's long segments as one in a pool of one
+        does: where prepare_as_target found that it reads a prompt so into the logits and cache of a pool of one
+        (calibration.measure_slot_merging). False before that, and for a model that is not a target."""
+        measured = self._measured.get("slot-merging")
+        return bool(measured and measured["exact"]) and not self._self_test_failed
+
+    @property
     def batch_calibration(self) -> dict:
         """What calibration.measure_batch_width found: the exact batch width, whether prompts prefill exactly in
         slots, the contexts checked."""
@@ -257,6 +266,8 @@ class LlamaCppModel:
         self.prepare()
         self.exact_widths
         self.batch_width
+        if self.merges_passes_from is not None:
+            self._calibrated("slot-merging", calibration.measure_slot_merging)
         if not self._self_tested:
             self.self_test()
             self._self_tested = True

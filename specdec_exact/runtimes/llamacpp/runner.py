@@ -11,7 +11,7 @@ import torch
 
 from specdec_exact.runtimes.base import run_through
 from specdec_exact.runtimes.llamacpp import kv_blocks
-from specdec_exact.runtimes.llamacpp.context import BATCH, Context, evaluate, prefill_segments
+from specdec_exact.runtimes.llamacpp.context import BATCH, PREFILL_BLOCK, Context, evaluate, prefill_segments
 from specdec_exact.runtimes.llamacpp.kernels import MAX_WIDTH
 
 if TYPE_CHECKING:
@@ -22,18 +22,23 @@ if TYPE_CHECKING:
 # answer's, run here, in passes of the kernel plan's widths (its multi-column kernels: faster for a few tokens). How
 # long a segment must be to run faster there is measured (LlamaCppModel.prefill_min_tokens), never less than this.
 PREFILL_MIN_TOKENS = MAX_WIDTH + 1
+# The most tokens that merged segments may hold in a pass in a pool of several, where a sequence alone in its pool
+# merges them: a request that joins meanwhile waits at most this long a pass for its own first one. (With whole
+# column windows, ggml's tiled kernels unpack the weights once per 256 tokens of a pass however wide it is.)
+MERGED_IN_BATCH = 2 * PREFILL_BLOCK
 
 
 def plan_passes(tokens: list[int], segments: list[tuple[int, bool]], start: int, width_at,
-                elsewhere_from: int | None, merge_from: int | None = None) -> list[tuple[int, int, bool]]:
+                elsewhere_from: int | None, merge_from: int | None = None, most: int = BATCH
+                ) -> list[tuple[int, int, bool]]:
     """The passes that prefill tokens[start:] -> (begin, end, whether it runs in the prefill model): an answer's
     segments in pieces of width_at(position) tokens at most (the exact verify width); a segment of elsewhere_from
     tokens or more in one pass in the prefill model (None: there is none); a shorter one here, in pieces of MAX_WIDTH
     tokens at most where there is a prefill model (one pass otherwise). Consecutive segments of the prefill model of
     merge_from tokens or more each that run in one pass (in the prefill model, or here where there is none) share
-    passes of up to BATCH tokens (None: never), where that model's passes of that many tokens give the same results
-    however they are cut (LlamaCppModel.merges_passes_from): a cold prompt then runs in fewer passes than its
-    segments, and each segment's cache entries are still those of a pass of its own.
+    passes of up to `most` tokens (merge_from None: never), where that model's passes of that many tokens give the
+    same results however they are cut (LlamaCppModel.merges_passes_from): a cold prompt then runs in fewer passes
+    than its segments, and each segment's cache entries are still those of a pass of its own.
     `start` is the end of a segment (or 0)."""
     passes, begin = [], 0
     joinable = False  # whether the last pass holds only prefill-model segments of merge_from tokens or more
@@ -47,7 +52,7 @@ def plan_passes(tokens: list[int], segments: list[tuple[int, bool]], start: int,
                     step = min(end, position + max(1, width_at(position) if answer else MAX_WIDTH))
                     passes.append((position, step, False))
                     position = step
-            elif long and joinable and end - passes[-1][0] <= BATCH:
+            elif long and joinable and end - passes[-1][0] <= most:
                 passes[-1] = (passes[-1][0], end, passes[-1][2])
             else:
                 passes.append((begin, end, elsewhere_from is not None))
@@ -69,6 +74,10 @@ class LlamaCppRunner:
         self.prompt_cache_s = 0.0  # seconds its prefill spent looking up, joining, cutting and storing blocks
         self._refusal: str | None = None  # why this runner may no longer run (its slot was taken over or closed)
         self._release = weakref.finalize(self, pool.give, seq)
+        # Whether its prompts' long segments may share passes: None as calibrated (in a pool of one, and in a pool of
+        # several where LlamaCppModel.merges_in_slots), True or False as a calibration sets it
+        self.merges: bool | None = None
+        self.prefill_passes = 0  # the passes its last prompt took
 
     def close(self) -> None:
         """Give the slot back (safe to call more than once)."""
@@ -91,6 +100,11 @@ class LlamaCppRunner:
         if length > max(self.model.batch_calibration["contexts"]):
             return 1
         return min(self.model.verify_width(length), self.model.alone_in_slot_width)
+
+    @property
+    def alone(self) -> bool:
+        """Whether no other sequence holds a slot of its pool (none waits for its passes)."""
+        return self.pool.sequences == 1 or self.pool.free == self.pool.sequences - 1
 
     @property
     def length(self) -> int:
@@ -160,14 +174,18 @@ class LlamaCppRunner:
         # Fewer new tokens than any segment the prefill model takes run here whatever its calibration says: the kernel
         # plan's own timing prefills 16 tokens, and must not calibrate the split under the plan it is choosing.
         elsewhere = model.prefill_min_tokens if len(tokens) - start >= PREFILL_MIN_TOKENS else None
-        # Segments share passes only in a pool of one: in a batch, the other sequences wait at most one segment's pass
-        merge_from = model.merges_passes_from if self.pool.sequences == 1 else None
-        passes = plan_passes(tokens, segments, start, self.verify_width, elsewhere, merge_from)
+        passes = plan_passes(tokens, segments, start, self.verify_width, elsewhere)
+        merges = self.merges if self.merges is not None else self.pool.sequences == 1 or model.merges_in_slots
+        merge_from = model.merges_passes_from if merges else None
+        merged = None  # the passes with long segments merged, which this runner takes while it is alone (_run)
+        if merge_from is not None:
+            most = BATCH if self.pool.sequences == 1 else MERGED_IN_BATCH
+            merged = plan_passes(tokens, segments, start, self.verify_width, elsewhere, merge_from, most)
         try:
             if reused:
                 context.load_state(kv_blocks.join(model.kv_format, reused, n_seq), self.seq)
             self.prompt_cache_s = time.perf_counter() - tick
-            rows = yield from self._run(tokens, wanted, passes)
+            rows = yield from self._run(tokens, wanted, passes, merged)
         except BaseException:  # an interrupt or a closed generator too: the sequence must not keep half a prompt
             if self._refusal is None:
                 self.pool.context.remove(self.seq, 0)
@@ -182,15 +200,22 @@ class LlamaCppRunner:
         its prompts are (which segments are answers), for its tenant."""
         return self.model, n_seq, self.model.answer_start, self.tenant
 
-    def _run(self, tokens: list[int], wanted: list[bool], passes: list[tuple[int, int, bool]]) -> Iterator[None]:
-        """Evaluate the passes, yielding between them -> (the generator's value) the wanted rows. A pass in the prefill
-        model runs over a copy of the sequence's cache in its context, copied back when a pass here follows (and at
-        the end). Other sequences' passes may run at the yields; the pool's context is looked up after each."""
+    def _run(self, tokens: list[int], wanted: list[bool], passes: list[tuple[int, int, bool]],
+             merged: list[tuple[int, int, bool]] | None = None) -> Iterator[None]:
+        """Evaluate the passes, yielding between them -> (the generator's value) the wanted rows. Where `merged` (the
+        same passes, consecutive long segments sharing some: plan_passes) is given, each pass that starts while this
+        runner is alone in its pool runs to the end of the merged pass it starts in: nobody waits for it then, and a
+        sequence that joins the pool meanwhile waits at most one merged pass. A pass in the prefill model runs over a
+        copy of the sequence's cache in its context, copied back when a pass here follows (and at the end). Other
+        sequences' passes may run at the yields; the pool's context is looked up after each."""
         pieces, there, elsewhere = [], None, self.model.prefill_model
+        begin, last = passes[0][0], passes[-1][1]
         try:
-            for index, (begin, end, away) in enumerate(passes):
-                if index:
+            while begin < last:
+                if pieces:
                     yield
+                plan = merged if merged is not None and self.alone else passes
+                end, away = next((end, away) for start, end, away in plan if start <= begin < end)
                 context = self.check_room(len(tokens))
                 if away and there is None:
                     there = elsewhere.prefill_context(context.n_seq, len(tokens))
@@ -201,6 +226,8 @@ class LlamaCppRunner:
                     there = None
                 pieces.append(evaluate(elsewhere if away else self.model, there if away else context,
                                        [(self.seq, i, tokens[i], wanted[i]) for i in range(begin, end)]))
+                begin = end
+            self.prefill_passes = len(pieces)
             if there is not None:
                 self._bring_back(self.check_room(len(tokens)), there)
                 there = None
