@@ -37,7 +37,7 @@ PLAN_MARGINS = (1.1, 1.05)
 # Width 1 (every answer's decoding passes where nothing is drafted) is timed in this many rounds, every exact candidate
 # in each, none pruned: a one-token pass caught in a burst of another process's work must not drop its kernel. (EPYC
 # Zen 4: a first round's 39.5 ms against llama.cpp's own 32.5 ms pruned the multi-column kernel that 20 interleaved
-# rounds later timed at 32.2 ms against 33.8 ms after 200 cached tokens.)
+# rounds later timed at 32.2 ms against 33.8 ms after 200 cached tokens: docs/kernel-one-token-zen4.)
 ONE_TOKEN_REPEATS = 12
 
 
