@@ -252,6 +252,23 @@ def measure_prefill_split(model: LlamaCppModel, sizes=PREFILL_SPLIT_SIZES, repea
     return {"seconds": {str(n): by for n, by in medians.items()}, "min_tokens": split_size(medians)}
 
 
+def two_blocks_after_a_prefix(model: LlamaCppModel):
+    """What the prompt-pass calibrations pass over: 2 x PREFILL_BLOCK probe tokens after CALIBRATION_CONTEXTS[0]
+    cached -> (that prefix's length, all the tokens, a context of their length holding the prefix). Free the context
+    when done."""
+    from specdec_exact.runtimes.llamacpp.context import PREFILL_BLOCK, Context, evaluate
+
+    prefix = CALIBRATION_CONTEXTS[0]
+    tokens = probe_tokens(model, prefix + 2 * PREFILL_BLOCK)[0].tolist()
+    context = Context(model, len(tokens))
+    try:
+        evaluate(model, context, [(0, i, tokens[i], False) for i in range(prefix)])
+    except BaseException:
+        context.free()
+        raise
+    return prefix, tokens, context
+
+
 def measure_tiled_columns(model: LlamaCppModel, repeats: int = 3) -> dict:
     """Seconds of a pass over two prompt blocks (2 x PREFILL_BLOCK tokens after 16 cached) with ggml's tiled kernels keeping whole
     column windows and cutting them as released (kernels.apply_tiled_whole_columns), interleaved, medians of
@@ -260,11 +277,9 @@ def measure_tiled_columns(model: LlamaCppModel, repeats: int = 3) -> dict:
     import statistics
     import time
 
-    from specdec_exact.runtimes.llamacpp.context import PREFILL_BLOCK, Context, evaluate
+    from specdec_exact.runtimes.llamacpp.context import evaluate
 
-    prefix = CALIBRATION_CONTEXTS[0]
-    tokens = probe_tokens(model, prefix + 2 * PREFILL_BLOCK)[0].tolist()  # (two blocks: what a merged pass holds)
-    context = Context(model, len(tokens))
+    prefix, tokens, context = two_blocks_after_a_prefix(model)  # (two blocks: what a merged pass holds)
 
     def seconds(whole: bool) -> float:
         model._whole_columns = whole  # (what evaluate applies to the pass)
@@ -275,7 +290,6 @@ def measure_tiled_columns(model: LlamaCppModel, repeats: int = 3) -> dict:
 
     times: dict[bool, list[float]] = {True: [], False: []}
     try:
-        evaluate(model, context, [(0, i, tokens[i], i == prefix - 1) for i in range(prefix)])
         seconds(True)  # a first pass warms the caches
         for _ in range(repeats):
             for whole in (False, True):
@@ -300,11 +314,9 @@ def measure_pass_merging(model: LlamaCppModel, candidates=MERGE_CANDIDATES) -> d
     sweeps up to 63 query rows one by one and tiles 64 or more), which is why no merging is tried below 64."""
     import numpy as np
 
-    from specdec_exact.runtimes.llamacpp.context import PREFILL_BLOCK, Context, evaluate
+    from specdec_exact.runtimes.llamacpp.context import evaluate
 
-    prefix = CALIBRATION_CONTEXTS[0]
-    tokens = probe_tokens(model, prefix + 2 * PREFILL_BLOCK)[0].tolist()
-    context = Context(model, len(tokens))
+    prefix, tokens, context = two_blocks_after_a_prefix(model)
 
     def logits(cuts: list[int], whole: bool) -> np.ndarray:
         model._whole_columns = whole
@@ -316,7 +328,6 @@ def measure_pass_merging(model: LlamaCppModel, candidates=MERGE_CANDIDATES) -> d
     checked: dict[str, bool] = {}
     saved = model._whole_columns
     try:
-        evaluate(model, context, [(0, i, tokens[i], False) for i in range(prefix)])
         one = logits([], True)
         for m in candidates:
             even = list(range(prefix + m, len(tokens) - m + 1, m))
