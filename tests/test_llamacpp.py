@@ -600,6 +600,23 @@ def test_weight_layouts_are_chosen_by_measurement_and_a_dying_worker_says_no(ggu
     assert llamacpp.layouts.measure_layouts(bad, 1) == {"repack": False, "prefill_repack": False, "worker_exit_code": 1}
 
 
+def test_the_layouts_worker_measures_while_its_caller_holds_the_calibration_lock(gguf_path, tmp_path, monkeypatch):
+    """choose_layouts times the layouts in a worker process while it holds the machine's calibration lock. A
+    calibration the worker asked for would wait on that lock until the timeout, and the timeout says "plain" as a
+    crash does: a fresh machine then lost minutes per model file and chose by default, not by measurement. A copy of
+    the file has nothing cached, as on a fresh machine."""
+    import shutil
+
+    from specdec_exact.runtimes.llamacpp import calibration, layouts
+
+    fresh = tmp_path / "fresh-copy.gguf"
+    shutil.copyfile(gguf_path, fresh)
+    monkeypatch.setattr(layouts, "LAYOUT_TIMING_TIMEOUT_S", 120)
+    with calibration._calibrating(calibration.calibration_folder()):
+        found = layouts.measure_layouts(fresh, 1)
+    assert found.get("worker_exit_code") != "timeout", found
+
+
 
 def test_a_prompt_prefilled_by_a_second_model_continues_as_if_prefilled_here(gguf_path, model, monkeypatch):
     """A prompt evaluated in another loaded copy of the weights (the faster layout for prompts, where the calibration

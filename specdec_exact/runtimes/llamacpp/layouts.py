@@ -70,6 +70,10 @@ def time_layouts(path: str, threads: int) -> None:
     models = [LlamaCppModel(path, threads, repack=repack, prefill_repack=None) for repack in (False, True)]
     for model in models:  # prompts take llama.cpp's own kernels under any plan; no plan is calibrated here
         model._kernel_plan = KernelPlan.uniform(LLAMA_CPP_KERNELS)
+        # Nor is anything else: the caller holds the machine's calibration lock while this worker runs, so a
+        # calibration asked for here (a prompt's pass-merging) would wait for it until the timeout. The probe prompt
+        # is one pass either way.
+        model._measured["pass-merging"] = {"merge_from": None}
     tokens = probe_tokens(models[0], PREFILL_PROBE_TOKENS)
     runners = [private_runner(model, PREFILL_PROBE_TOKENS) for model in models]
     kernels = candidates()
