@@ -545,6 +545,37 @@ def test_a_draft_model_that_cannot_pay_on_this_machine_is_left_out_at_load(model
     assert kept.draft is not None and kept.draft_dropped is None and kept.drafter.model_drafter is not None
 
 
+def test_a_step_estimate_is_timed_under_the_fastest_candidate_kernel(model, monkeypatch):
+    """quick_step_s, which judges a draft model before its kernel plan is calibrated, times the one-token pass under
+    every candidate kernel and keeps the fastest, as the plan's one-token kernel will be. Here llama.cpp's own kernel
+    is slowed by 50 ms a pass (a stand-in for a CPU where the multi-column kernels are much faster: 47 against 77 ms
+    on an Intel Xeon with AMX): the estimate names another kernel and stays below 50 ms. Negative control: with
+    llama.cpp's own kernel the only candidate, the estimate carries the 50 ms."""
+    import time
+
+    from specdec_exact.runtimes.llamacpp import kernels
+    from specdec_exact.runtimes.llamacpp.runner import LlamaCppRunner
+
+    target, _ = model
+    require(len(kernels.candidates()) > 1, "this build has no multi-column kernels: llama.cpp's own is the only one")
+    real = LlamaCppRunner.forward
+
+    def slowed(self, tokens, *args, **kwargs):
+        if tokens.shape[1] == 1 and target._kernel_plan == kernels.KernelPlan.uniform(kernels.LLAMA_CPP):
+            time.sleep(0.05)
+        return real(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaCppRunner, "forward", slowed)
+    stored = []
+    monkeypatch.setattr(llamacpp.calibration, "store_json", lambda path, kind, settings, measured, describe:
+                        stored.append(measured))
+    planned = target._kernel_plan
+    assert target.quick_step_s() < 0.05 and target._kernel_plan is planned
+    assert stored[-1]["kernel"] != kernels.LLAMA_CPP.describe()
+    monkeypatch.setattr(kernels, "candidates", lambda: [kernels.LLAMA_CPP])
+    assert target.quick_step_s() >= 0.05 and stored[-1]["kernel"] == kernels.LLAMA_CPP.describe()
+
+
 def test_a_draft_model_left_out_once_is_not_loaded_again(model, gguf_path, monkeypatch):
     """The draft model's step time is cached per machine and thread count: the next generator over the same files
     judges it by that before loading it, and does not load one that cannot pay (its weights, its tokenizer, its

@@ -46,7 +46,7 @@ CALIBRATIONS = {  # kind -> what it measures, as progress names it
 def step_settings(threads: int, kv_cache: str) -> str:
     """The settings a model's step time is cached under (LlamaCppModel.quick_step_s), known before it is loaded: a
     model whose weight layout is chosen at load (repack="auto") chooses the same one for these again."""
-    return f"threads={threads}|kv_cache={kv_cache}|layout=auto"
+    return f"threads={threads}|kv_cache={kv_cache}|layout=auto|fastest kernel"  # (before: llama.cpp's own kernel)
 
 
 # What is a property of the weights, the library build and the CPU, not of the timings: whether passes stay exact
