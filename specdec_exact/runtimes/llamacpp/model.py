@@ -273,8 +273,8 @@ class LlamaCppModel:
             self._self_tested = True
 
     def quick_step_s(self, passes: int = 5) -> float:
-        """Seconds of a one-token pass after a short context: the fastest of `passes` under each candidate kernel
-        (kernels.candidates, llama.cpp's own among them, interleaved), under the fastest of them. What a step of this
+        """Seconds of a one-token pass after a short context under the fastest candidate kernel (kernels.candidates,
+        llama.cpp's own among them): the fastest of `passes` under each, the kernels interleaved. What a step of this
         model costs before its kernel plan is calibrated, where the plan will give one-token passes the fastest
         kernel whose results are llama.cpp's own (the multi-column kernels' columns are, measure_kernel_plan checks).
         Timed under llama.cpp's own kernel alone, the 0.5B draft's step was 1.17 of the 1.5B target's planned one on
