@@ -193,6 +193,23 @@ def probe_tokens(model: LlamaCppModel, n: int) -> torch.Tensor:
     return torch.arange(n)[None] * 7919 % model.n_vocab  # [1, n] any in-vocabulary tokens
 
 
+def time_one_token_passes(model: LlamaCppModel, runner: LlamaCppRunner, tokens: torch.Tensor, times: dict) -> None:
+    """One round of one-token passes: tokens [1, n + 1], the first n in the runner's cache, the last fed under each
+    kernel of `times` in turn (the model's plan set to it: the caller restores its own), that pass's seconds appended
+    to the kernel's list."""
+    import time
+
+    from specdec_exact.runtimes.llamacpp.kernels import KernelPlan
+
+    prefix = tokens.shape[1] - 1
+    for kernel, seconds in times.items():
+        model._kernel_plan = KernelPlan.uniform(kernel)
+        runner.rollback(prefix)
+        started = time.perf_counter()
+        runner.forward(tokens[:, prefix:])
+        seconds.append(time.perf_counter() - started)
+
+
 def one_token_logits(runner: LlamaCppRunner, tokens: torch.Tensor) -> torch.Tensor:
     """Logits of tokens [1, n] fed one pass each -> [n, vocab]."""
     return torch.cat([runner.forward(tokens[:, i:i + 1])[0] for i in range(tokens.shape[1])])

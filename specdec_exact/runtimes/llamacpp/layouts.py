@@ -9,7 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from specdec_exact.runtimes.llamacpp.calibration import cached_json, private_runner, probe_tokens
+from specdec_exact.runtimes.llamacpp.calibration import (cached_json, private_runner, probe_tokens,
+                                                         time_one_token_passes)
 
 LAYOUT_TIMING_TIMEOUT_S = 600  # loading a model twice, 84 one-token passes and 4 prompts: seconds, even for a 7B
 PREFILL_PROBE_TOKENS = 128  # a typical chat prompt, for timing prefills in each layout
@@ -86,12 +87,7 @@ def time_layouts(path: str, threads: int) -> None:
             times.append(time.perf_counter() - started)
     for _ in range(LAYOUT_ROUNDS):
         for model, runner, times in zip(models, runners, one_token):
-            for kernel in kernels:
-                model._kernel_plan = KernelPlan.uniform(kernel)
-                runner.rollback(16)
-                started = time.perf_counter()
-                runner.forward(tokens[:, 16:17])
-                times[kernel].append(time.perf_counter() - started)
+            time_one_token_passes(model, runner, tokens[:, :17], times)
     print(json.dumps([[{kernel.describe(): statistics.median(t[1:]) for kernel, t in times.items()}
                        for times in one_token], [min(times) for times in prefill]]))
 

@@ -283,8 +283,6 @@ class LlamaCppModel:
         machine must not stay in it) and cached per machine and thread count where the weight layout was chosen at
         load, so that a later generator can judge a draft model by it before loading it
         (LlamaCppRuntime.known_step_estimate)."""
-        import time
-
         from specdec_exact.runtimes.llamacpp.kernels import candidates
 
         prefix = calibration.CALIBRATION_CONTEXTS[0]
@@ -298,12 +296,7 @@ class LlamaCppModel:
                 self._kernel_plan = KernelPlan.uniform(LLAMA_CPP_KERNELS)
                 runner.forward(tokens[:, :prefix], last_only=True)
                 for _ in range(passes):
-                    for kernel, times in seconds.items():
-                        self._kernel_plan = KernelPlan.uniform(kernel)
-                        runner.rollback(prefix)
-                        started = time.perf_counter()
-                        runner.forward(tokens[:, prefix:])
-                        times.append(time.perf_counter() - started)
+                    calibration.time_one_token_passes(self, runner, tokens, seconds)
             finally:
                 runner.close()
                 self._kernel_plan = planned
